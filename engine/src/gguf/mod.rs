@@ -1,0 +1,1 @@
+//! (gguf: being written)

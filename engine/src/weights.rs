@@ -1,0 +1,1 @@
+//! (weights: being written)

@@ -1,0 +1,1 @@
+//! Helpers for tandem's end-to-end tests (being written).
