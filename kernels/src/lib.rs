@@ -1,1 +1,7 @@
-//! (kernels: being written)
+//! tandem's compute kernels.
+//!
+//! [`cpu`] holds the CPU implementations the CPU backend runs. They are also the references every
+//! device kernel is tested against, so they favour clarity and f32 accuracy over cleverness, and
+//! each one states its shapes. All matrices are row-major.
+
+pub mod cpu;
