@@ -36,7 +36,7 @@ pub fn paged_attention(
     let hd = layout.head_dim;
     let row = num_heads * hd;
     assert_eq!(q.len(), out.len(), "out must match q");
-    assert!(num_heads % layout.num_kv_heads == 0, "heads must be a multiple of kv heads");
+    assert!(num_heads.is_multiple_of(layout.num_kv_heads), "heads must be a multiple of kv heads");
     let group = num_heads / layout.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     // Which chunk each token belongs to.

@@ -4,7 +4,7 @@
 /// `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * weight` for every row `r` of width `weight.len()`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
-    assert!(d > 0 && x.len() % d == 0, "x must be [rows, {d}]");
+    assert!(d > 0 && x.len().is_multiple_of(d), "x must be [rows, {d}]");
     assert_eq!(x.len(), out.len(), "out must match x");
     for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
         let sum_sq: f32 = row.iter().map(|v| v * v).sum();
@@ -26,7 +26,7 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
 /// `out[r, i] = silu(gate_up[r, i]) * gate_up[r, d + i]` where each row of `gate_up` is
 /// `[gate (d), up (d)]` and `d = out row width`.
 pub fn silu_mul(gate_up: &[f32], out: &mut [f32], d: usize) {
-    assert!(d > 0 && out.len() % d == 0, "out must be [rows, {d}]");
+    assert!(d > 0 && out.len().is_multiple_of(d), "out must be [rows, {d}]");
     assert_eq!(gate_up.len(), out.len() * 2, "gate_up must be [rows, 2*{d}]");
     for (gu, o) in gate_up.chunks_exact(2 * d).zip(out.chunks_exact_mut(d)) {
         let (gate, up) = gu.split_at(d);
@@ -61,7 +61,7 @@ pub enum RopeScaling {
 
 /// The `head_dim / 2` inverse frequencies of rotate-half RoPE with base `theta`, scaled.
 pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f32> {
-    assert!(head_dim % 2 == 0, "head_dim must be even");
+    assert!(head_dim.is_multiple_of(2), "head_dim must be even");
     let base: Vec<f32> = (0..head_dim / 2)
         .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
         .collect();

@@ -45,7 +45,7 @@ pub fn write_kv(
 ) {
     let row = layout.num_kv_heads * layout.head_dim;
     assert_eq!(k.len(), v.len(), "k and v must have the same shape");
-    assert!(k.len() % row == 0, "k must be [tokens, kv_heads, head_dim]");
+    assert!(k.len().is_multiple_of(row), "k must be [tokens, kv_heads, head_dim]");
     let tokens = k.len() / row;
     let needed_blocks = (start_pos + tokens).div_ceil(layout.block_size);
     assert!(block_table.len() >= needed_blocks, "block table too short");
