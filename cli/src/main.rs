@@ -1,3 +1,102 @@
-//! The `tandem` command line (being written).
+//! The `tandem` command: model import and pull, single-process generation and benchmarks.
+//!
+//! Every failure ends as one `error: ...` line on stderr and a non-zero exit (1 for runtime
+//! errors, 2 for bad command lines, from clap); nothing here panics on user input.
 
-fn main() {}
+mod bench;
+mod generate;
+mod pull;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// tandem: an LLM serving engine that splits prefill from decode.
+#[derive(Parser)]
+#[command(name = "tandem", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Get and convert models.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Generate a completion for one prompt in this process; prints only the completion.
+    Generate(generate::GenerateArgs),
+    /// Benchmarks that print ratios against a reference measured in the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Convert a GGUF file into a Hugging Face-style model directory.
+    ImportGguf {
+        /// The GGUF file.
+        file: PathBuf,
+        /// The directory to create.
+        out_dir: PathBuf,
+        /// Store weights as bf16 instead of the exact f32 dequantized values.
+        #[arg(long)]
+        bf16: bool,
+    },
+    /// Download a known model into the cache and print its directory (last line of stdout).
+    Pull {
+        /// A known model name, e.g. smollm2-135m-instruct.
+        name: String,
+        #[command(flatten)]
+        cache: CacheArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode throughput on the CPU, side by side with HF transformers.
+    Cpu(bench::CpuBenchArgs),
+}
+
+/// Where pulled models live.
+#[derive(Args, Clone, Debug)]
+pub(crate) struct CacheArgs {
+    /// Model cache directory [default: $TANDEM_CACHE_DIR, else the user cache dir/tandem].
+    #[arg(long, env = "TANDEM_CACHE_DIR")]
+    pub(crate) cache_dir: Option<PathBuf>,
+}
+
+impl CacheArgs {
+    pub(crate) fn cache(&self) -> anyhow::Result<pull::ModelCache> {
+        pull::ModelCache::new(self.cache_dir.clone())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| "warn".into()))
+        .init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Model(ModelCommand::ImportGguf { file, out_dir, bf16 }) => pull::import_with_progress(&file, &out_dir, bf16),
+        Command::Model(ModelCommand::Pull { name, cache }) => {
+            let dir = pull::pull(&name, &cache.cache()?)?;
+            println!("{}", dir.display());
+            Ok(())
+        }
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(BenchCommand::Cpu(args)) => bench::run_cpu(args),
+    }
+}

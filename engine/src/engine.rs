@@ -1,1 +1,499 @@
-//! (engine: being written)
+//! [`Engine`]: one model instance serving many requests with continuous batching.
+//!
+//! A plain struct driven by [`Engine::step`]: the scheduler picks chunks, the model computes them
+//! against the paged KV cache, each sequence's sampler picks its next token, and the detokenizer
+//! and stop matcher turn tokens into text. No threads of its own (the GEMMs use rayon), no locks,
+//! no channels, no async: the node crates wrap it.
+//!
+//! Invariants: every request that enters leaves through exactly one finish (stop, length, abort),
+//! and its blocks go back to the pool then; in the prefill role, blocks stay held until
+//! [`Engine::release`].
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rand::{Rng, SeedableRng, rngs::SmallRng};
+
+use crate::config::ModelConfig;
+use crate::detok::{IncrementalDetokenizer, StopMatcher, StopOutcome};
+use crate::model::{BatchChunk, KvCache, Model};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::sched::{BlockCopy, NewRequest, RemoteAlloc, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
+use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::{Error, Result};
+
+/// How an engine instance is sized and what it does.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Colocated (prefill + decode), prefill-only or decode-only.
+    pub role: Role,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Memory for the KV pool; the number of blocks is derived from it.
+    pub kv_cache_bytes: usize,
+    /// Cap on sequences running at once.
+    pub max_num_seqs: usize,
+    /// Per-step token budget (prompts beyond it are chunked).
+    pub max_num_batched_tokens: usize,
+    /// Context limit; `None` takes the model's.
+    pub max_model_len: Option<usize>,
+    /// Reuse cached KV blocks of identical prompt prefixes.
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            role: Role::Colocated,
+            block_size: 16,
+            kv_cache_bytes: 1 << 30,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: None,
+            enable_prefix_caching: true,
+        }
+    }
+}
+
+/// What a request asks the model to continue.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Plain text, tokenized with the tokenizer's special tokens (BOS) added.
+    Text(String),
+    /// Chat messages rendered with the model's chat template and the generation prompt.
+    Chat(Vec<ChatMessage>),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+}
+
+/// Why a sequence stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+    /// The request was aborted.
+    Abort,
+    /// Prefill role: the prompt is computed and the first token sampled; blocks are held.
+    PrefillDone,
+}
+
+/// A generated token's log-probability and the most likely alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The chosen token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The top alternatives, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one sequence produced in one step.
+#[derive(Clone, Debug)]
+pub struct SeqOutput {
+    /// The request.
+    pub request: RequestId,
+    /// The sequence within it (`0..n`).
+    pub index: u32,
+    /// Tokens generated this step.
+    pub token_ids: Vec<u32>,
+    /// New text (valid UTF-8, stop strings removed).
+    pub text: String,
+    /// Log-probabilities, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set when the sequence finished this step.
+    pub finish: Option<FinishReason>,
+}
+
+/// Token counts of a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated over all sequences.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// A finished sequence, as [`Engine::generate`] returns it.
+#[derive(Clone, Debug)]
+pub struct Completion {
+    /// Generated tokens.
+    pub token_ids: Vec<u32>,
+    /// Generated text.
+    pub text: String,
+    /// Why it stopped.
+    pub finish: FinishReason,
+    /// Log-probabilities, when asked for.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+struct SeqState {
+    sampler: Sampler,
+    output: Vec<u32>,
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+    finished: bool,
+}
+
+struct RequestState {
+    params: SamplingParams,
+    prompt: Vec<u32>,
+    seqs: Vec<SeqState>,
+    seed: u64,
+    usage: Usage,
+}
+
+/// One model instance with its KV pool, scheduler and live requests.
+pub struct Engine {
+    cfg: EngineConfig,
+    max_model_len: usize,
+    model: Model,
+    tokenizer: Tokenizer,
+    kv: KvCache,
+    sched: Scheduler,
+    requests: HashMap<RequestId, RequestState>,
+    next_id: u64,
+    rng: SmallRng,
+}
+
+impl Engine {
+    /// Loads the model in `dir` and sizes the KV pool.
+    pub fn load(dir: &Path, cfg: EngineConfig) -> Result<Self> {
+        let model_cfg = ModelConfig::from_model_dir(dir)?;
+        let tokenizer = Tokenizer::from_model_dir(dir)?;
+        if tokenizer.vocab_size() > model_cfg.vocab_size {
+            return Err(Error::Tokenizer(format!(
+                "the tokenizer has {} tokens but the model only {} embeddings",
+                tokenizer.vocab_size(),
+                model_cfg.vocab_size
+            )));
+        }
+        let model = Model::load(dir, &model_cfg)?;
+        Self::with_parts(model, tokenizer, cfg)
+    }
+
+    fn with_parts(model: Model, tokenizer: Tokenizer, cfg: EngineConfig) -> Result<Self> {
+        let model_cfg = model.config().clone();
+        if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
+            return Err(Error::Config("block_size, max_num_seqs and max_num_batched_tokens must be positive".into()));
+        }
+        let max_model_len = cfg.max_model_len.unwrap_or(model_cfg.max_position_embeddings).min(model_cfg.max_position_embeddings);
+        let num_blocks = cfg.kv_cache_bytes / KvCache::bytes_per_block(&model_cfg, cfg.block_size);
+        if num_blocks == 0 {
+            return Err(Error::Config(format!("kv_cache_bytes {} is smaller than one KV block", cfg.kv_cache_bytes)));
+        }
+        let sched = Scheduler::new(SchedulerConfig {
+            role: cfg.role,
+            block_size: cfg.block_size,
+            num_blocks,
+            max_num_seqs: cfg.max_num_seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_model_len,
+            enable_prefix_caching: cfg.enable_prefix_caching,
+        });
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        Ok(Engine {
+            kv: KvCache::new(&model_cfg, num_blocks, cfg.block_size),
+            cfg,
+            max_model_len,
+            model,
+            tokenizer,
+            sched,
+            requests: HashMap::new(),
+            next_id: 0,
+            rng: SmallRng::seed_from_u64(seed),
+        })
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The model's configuration.
+    pub fn model_config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The context limit in tokens.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// The scheduler (read-only: pool occupancy, queue lengths).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// The KV cache (read-only), e.g. to send a held request's blocks.
+    pub fn kv_cache(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// The KV cache, e.g. to write received blocks into place.
+    pub fn kv_cache_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    /// Turns a prompt into token ids.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Text(t) => self.tokenizer.encode(t, true),
+            Prompt::Chat(messages) => {
+                let text = self.tokenizer.apply_chat_template(messages, true)?;
+                self.tokenizer.encode(&text, false)
+            }
+            Prompt::Tokens(ids) => {
+                let vocab = self.model.config().vocab_size;
+                match ids.iter().find(|&&t| t as usize >= vocab) {
+                    Some(bad) => Err(Error::Tokenizer(format!("token id {bad} is outside the vocabulary of {vocab}"))),
+                    None => Ok(ids.clone()),
+                }
+            }
+        }
+    }
+
+    fn validate(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        params.validate()?;
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        if prompt.len() + params.max_tokens > self.max_model_len {
+            return Err(Error::PromptTooLong { prompt: prompt.len(), max_tokens: params.max_tokens, limit: self.max_model_len });
+        }
+        Ok(())
+    }
+
+    fn new_state(&mut self, prompt: Vec<u32>, params: SamplingParams) -> (RequestId, RequestState) {
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let seed = params.seed.unwrap_or_else(|| self.rng.random());
+        let first = SeqState::new(&params, &prompt, seed, 0);
+        let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
+        (id, RequestState { params, prompt, seqs: vec![first], seed, usage })
+    }
+
+    /// Validates and queues a request; returns its id.
+    pub fn add_request(&mut self, prompt: &Prompt, params: SamplingParams) -> Result<RequestId> {
+        let ids = self.tokenize(prompt)?;
+        self.validate(&ids, &params)?;
+        let (id, state) = self.new_state(ids, params);
+        self.sched.add_request(NewRequest { id, prompt: state.prompt.clone(), n: state.params.n, max_tokens: state.params.max_tokens })?;
+        self.requests.insert(id, state);
+        Ok(id)
+    }
+
+    /// Decode role: allocates blocks for a prompt whose KV another node computes. The request
+    /// waits until [`Engine::kv_ready`].
+    pub fn add_remote_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<(RequestId, RemoteAlloc)> {
+        self.validate(&prompt, &params)?;
+        let (id, state) = self.new_state(prompt, params);
+        let alloc = self.sched.allocate_remote(NewRequest {
+            id,
+            prompt: state.prompt.clone(),
+            n: state.params.n,
+            max_tokens: state.params.max_tokens,
+        })?;
+        self.requests.insert(id, state);
+        Ok((id, alloc))
+    }
+
+    /// Decode role: the prompt's KV has landed in the allocated blocks and the prefill node
+    /// sampled `first_token`; the request starts decoding. Returns the first token's output.
+    pub fn kv_ready(&mut self, id: RequestId, first_token: u32) -> Result<Vec<SeqOutput>> {
+        let Some(req) = self.requests.get_mut(&id) else { return Err(Error::UnknownRequest(id.0)) };
+        if req.params.n != 1 {
+            return Err(Error::InvalidSampling("remote prefill serves n = 1 only".into()));
+        }
+        self.sched.kv_ready(id, first_token)?;
+        let mut outputs = Vec::new();
+        self.accept_token(SeqId { request: id, index: 0 }, first_token, None, &mut outputs)?;
+        Ok(outputs)
+    }
+
+    /// Prefill role: frees the blocks a finished prefill holds (once its KV has been sent).
+    pub fn release(&mut self, id: RequestId) -> bool {
+        self.requests.remove(&id);
+        self.sched.release(id)
+    }
+
+    /// Aborts a request wherever it is; frees everything. False if unknown.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let known = self.requests.remove(&id).is_some();
+        self.sched.abort(id) || known
+    }
+
+    /// Whether any request is still queued or running.
+    pub fn has_unfinished(&self) -> bool {
+        self.sched.has_unfinished()
+    }
+
+    /// Token counts of a live request.
+    pub fn usage(&self, id: RequestId) -> Option<Usage> {
+        self.requests.get(&id).map(|r| r.usage)
+    }
+
+    /// Runs one scheduling step and returns what every sequence produced.
+    pub fn step(&mut self) -> Result<Vec<SeqOutput>> {
+        let schedule = self.sched.schedule();
+        for &BlockCopy { src, dst } in &schedule.copies {
+            self.kv.copy_block(src.0, dst.0);
+        }
+        if schedule.chunks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tables: Vec<Vec<u32>> = schedule.chunks.iter().map(|c| c.block_table.iter().map(|b| b.0).collect()).collect();
+        let batch: Vec<BatchChunk<'_>> = schedule
+            .chunks
+            .iter()
+            .zip(&tables)
+            .map(|(c, t)| BatchChunk { tokens: &c.tokens, start_pos: c.start_pos, block_table: t, want_logits: c.sample })
+            .collect();
+        let logits = self.model.forward(&batch, &mut self.kv)?;
+        let vocab = self.model.config().vocab_size;
+        let mut outputs = Vec::new();
+        let mut row = 0;
+        for chunk in schedule.chunks.iter().filter(|c| c.sample) {
+            let logits_row = &logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            let Some(req) = self.requests.get_mut(&chunk.seq.request) else { continue };
+            let mut sampled = Vec::with_capacity(chunk.num_samples);
+            if chunk.num_samples > 1 {
+                // The group forks here: children 1..n start from child 0's state.
+                while req.seqs.len() < chunk.num_samples {
+                    let index = req.seqs.len() as u32;
+                    req.seqs.push(SeqState::new(&req.params, &req.prompt, req.seed, index));
+                }
+                for seq in req.seqs.iter_mut().take(chunk.num_samples) {
+                    sampled.push(seq.sampler.sample(logits_row, &req.prompt, &seq.output));
+                }
+            } else {
+                let seq = &mut req.seqs[chunk.seq.index as usize];
+                sampled.push(seq.sampler.sample(logits_row, &req.prompt, &seq.output));
+            }
+            let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
+            self.sched.on_sampled(chunk.seq, &tokens);
+            for (i, s) in sampled.into_iter().enumerate() {
+                let index = if chunk.num_samples > 1 { i as u32 } else { chunk.seq.index };
+                let lp = TokenLogprob { token: s.token, logprob: s.logprob, top: s.top_logprobs };
+                self.accept_token(SeqId { request: chunk.seq.request, index }, s.token, Some(lp), &mut outputs)?;
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// Appends a sampled token to a sequence, detokenizes, checks stop conditions and finishes
+    /// the sequence when one holds.
+    fn accept_token(&mut self, seq_id: SeqId, token: u32, lp: Option<TokenLogprob>, outputs: &mut Vec<SeqOutput>) -> Result<()> {
+        let role = self.cfg.role;
+        let Some(req) = self.requests.get_mut(&seq_id.request) else { return Ok(()) };
+        let eos = self.tokenizer.eos_token_ids();
+        let params = &req.params;
+        let seq = &mut req.seqs[seq_id.index as usize];
+        seq.output.push(token);
+        req.usage.completion_tokens += 1;
+        let mut out = SeqOutput {
+            request: seq_id.request,
+            index: seq_id.index,
+            token_ids: vec![token],
+            text: String::new(),
+            logprobs: Vec::new(),
+            finish: None,
+        };
+        if let Some(lp) = lp.filter(|_| params.logprobs.is_some()) {
+            out.logprobs.push(lp);
+        }
+        let is_stop_token = (!params.ignore_eos && eos.contains(&token)) || params.stop_token_ids.contains(&token);
+        if is_stop_token {
+            out.finish = Some(FinishReason::Stop);
+        } else {
+            let delta = seq.detok.push(&self.tokenizer, token)?;
+            match seq.stop.push(&delta) {
+                StopOutcome::Continue(text) => out.text = text,
+                StopOutcome::Stopped(text) => {
+                    out.text = text;
+                    out.finish = Some(FinishReason::Stop);
+                }
+            }
+        }
+        if out.finish.is_none() && role == Role::Prefill {
+            out.finish = Some(FinishReason::PrefillDone);
+        }
+        let context_full = req.prompt.len() + seq.output.len() >= self.max_model_len;
+        if out.finish.is_none() && (seq.output.len() >= params.max_tokens || context_full) {
+            out.finish = Some(FinishReason::Length);
+        }
+        if let Some(reason) = out.finish {
+            if reason != FinishReason::Stop {
+                let tail = seq.detok.flush(&self.tokenizer)?;
+                match seq.stop.push(&tail) {
+                    StopOutcome::Continue(text) => {
+                        out.text.push_str(&text);
+                        out.text.push_str(&seq.stop.flush());
+                    }
+                    StopOutcome::Stopped(text) => out.text.push_str(&text),
+                }
+            }
+            seq.finished = true;
+            if reason == FinishReason::PrefillDone {
+                self.sched.hold(seq_id);
+            } else {
+                self.sched.finish(seq_id);
+                if req.seqs.iter().all(|s| s.finished) {
+                    self.requests.remove(&seq_id.request);
+                }
+            }
+        }
+        outputs.push(out);
+        Ok(())
+    }
+
+    /// Runs one request to completion on its own (other queued requests advance too) and returns
+    /// its sequences.
+    pub fn generate(&mut self, prompt: &Prompt, params: SamplingParams) -> Result<Vec<Completion>> {
+        let n = params.n;
+        let id = self.add_request(prompt, params)?;
+        let mut done: Vec<Option<Completion>> = vec![None; n];
+        let mut partial: Vec<Completion> =
+            (0..n).map(|_| Completion { token_ids: Vec::new(), text: String::new(), finish: FinishReason::Abort, logprobs: Vec::new() }).collect();
+        while done.iter().any(Option::is_none) {
+            let outputs = self.step()?;
+            if outputs.is_empty() && !self.has_unfinished() {
+                break;
+            }
+            for out in outputs.into_iter().filter(|o| o.request == id) {
+                let c = &mut partial[out.index as usize];
+                c.token_ids.extend(out.token_ids);
+                c.text.push_str(&out.text);
+                c.logprobs.extend(out.logprobs);
+                if let Some(reason) = out.finish {
+                    c.finish = reason;
+                    done[out.index as usize] = Some(c.clone());
+                }
+            }
+        }
+        Ok(done.into_iter().zip(partial).map(|(d, p)| d.unwrap_or(p)).collect())
+    }
+}
+
+impl SeqState {
+    fn new(params: &SamplingParams, prompt: &[u32], seed: u64, index: u32) -> Self {
+        let tail = &prompt[prompt.len().saturating_sub(8)..];
+        SeqState {
+            sampler: Sampler::new(params, seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+            output: Vec::new(),
+            detok: IncrementalDetokenizer::new(tail, params.skip_special_tokens),
+            stop: StopMatcher::new(&params.stop),
+            finished: false,
+        }
+    }
+}
