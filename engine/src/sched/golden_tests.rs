@@ -85,6 +85,7 @@ impl Harness {
             self.say(format!("copy {}->{}", c.src, c.dst));
         }
         for p in &sched.preempted {
+            assert!(sched.chunks.iter().all(|c| c.seq != *p), "preempted {p} has a chunk");
             self.say(format!("preempt {p}"));
         }
         let mut samples = Vec::new();
@@ -215,11 +216,363 @@ fn normalize(line: &str) -> String {
 }
 
 #[test]
-fn scratch() {
+fn chunked_prefill_then_mixed_decode() {
     check(
         "
 config bs=4 blocks=16 budget=8
 add 1 A10 max=2
+add 2 B5 max=2
+step
+  1.0 0..8 [0 1]
+  pool free=14 cached=2 running=1 waiting=1
+step
+  1.0 8..10 [0 1 2] sample [900]
+  2.0 0..5 [3 4] sample [901]
+  pool free=11 cached=3 running=2 waiting=0
+step
+  1.0 10..11 [0 1 2] sample [902]
+  2.0 5..6 [3 4] sample [903]
+  done 1.0
+  done 2.0
+  pool free=16 cached=3 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn prefix_cache_reuse_leaves_the_last_token() {
+    check(
+        "
+config bs=4 blocks=8
+add 1 A9 max=1
+step
+  1.0 0..9 [0 1 2] sample [900]
+  done 1.0
+  pool free=8 cached=2 running=0 waiting=0
+add 2 A8B3 max=1
+add 3 A8 max=1
+step
+  2.0 8..11 [0 1 2] sample [901]
+  3.0 4..8 [0 3] sample [902]
+  done 2.0
+  done 3.0
+  pool free=8 cached=2 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn fork_then_copy_on_write() {
+    check(
+        "
+config bs=4 blocks=8
+add 1 A6 n=2 max=3
+step
+  1.0 0..6 [0 1] sample x2 [900, 901]
+  pool free=6 cached=1 running=2 waiting=0
+step
+  copy 1->2
+  1.0 6..7 [0 2] sample [902]
+  1.1 6..7 [0 1] sample [903]
+  pool free=5 cached=1 running=2 waiting=0
+step
+  1.0 7..8 [0 2] sample [904]
+  1.1 7..8 [0 1] sample [905]
+  done 1.0
+  done 1.1
+  pool free=8 cached=3 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn preemption_by_recompute() {
+    check(
+        "
+config bs=2 blocks=4
+add 1 A3 max=4
+add 2 B3 max=4
+step
+  1.0 0..3 [0 1] sample [900]
+  2.0 0..3 [2 3] sample [901]
+  pool free=0 cached=2 running=2 waiting=0
+step
+  1.0 3..4 [0 1] sample [902]
+  2.0 3..4 [2 3] sample [903]
+  pool free=0 cached=4 running=2 waiting=0
+step
+  preempt 2.0
+  1.0 4..5 [0 1 3] sample [904]
+  pool free=1 cached=3 running=1 waiting=1
+step
+  1.0 5..6 [0 1 3] sample [905]
+  done 1.0
+  pool free=4 cached=4 running=0 waiting=1
+step
+  2.0 2..5 [2 3 1] sample [906]
+  pool free=1 cached=3 running=1 waiting=0
+step
+  2.0 5..6 [2 3 1] sample [907]
+  done 2.0
+  pool free=4 cached=4 running=0 waiting=0
+step
+  idle
+  pool free=4 cached=4 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn a_scheduled_sequence_is_never_the_victim() {
+    check(
+        "
+config bs=2 blocks=5 budget=4 role=decode
+add 1 A8 max=1
+step
+  1.0 0..4 [0 1]
+  pool free=3 cached=2 running=1 waiting=0
+remote 2 B4 max=2
+  [2 3] cached=0
+ready 2 7
+step
+  preempt 1.0
+  2.0 4..5 [2 3 4] sample [900]
+  done 2.0
+  pool free=5 cached=4 running=0 waiting=1
+step
+  1.0 4..8 [0 1 4 3] sample [901]
+  done 1.0
+  pool free=5 cached=5 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn decodes_first_then_prefill_chunks_fill_the_budget() {
+    check(
+        "
+config bs=4 blocks=16 budget=4
+add 1 A2 max=5
+step
+  1.0 0..2 [0] sample [900]
+  pool free=15 cached=0 running=1 waiting=0
+add 2 B9 max=1
+step
+  1.0 2..3 [0] sample [901]
+  2.0 0..3 [1]
+  pool free=14 cached=0 running=2 waiting=0
+step
+  1.0 3..4 [0] sample [902]
+  2.0 3..6 [1 2]
+  pool free=13 cached=2 running=2 waiting=0
+step
+  1.0 4..5 [0 3] sample [903]
+  2.0 6..9 [1 2 4] sample [904]
+  done 2.0
+  pool free=14 cached=3 running=1 waiting=0
+step
+  1.0 5..6 [0 3] sample [905]
+  done 1.0
+  pool free=16 cached=3 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn the_newest_running_sequence_is_preempted() {
+    check(
+        "
+config bs=2 blocks=6
+add 1 A1 max=5
+add 2 B1 max=5
+add 3 C1 max=5
+step
+  1.0 0..1 [0] sample [900]
+  2.0 0..1 [1] sample [901]
+  3.0 0..1 [2] sample [902]
+  pool free=3 cached=0 running=3 waiting=0
+step
+  1.0 1..2 [0] sample [903]
+  2.0 1..2 [1] sample [904]
+  3.0 1..2 [2] sample [905]
+  pool free=3 cached=3 running=3 waiting=0
+step
+  1.0 2..3 [0 3] sample [906]
+  2.0 2..3 [1 4] sample [907]
+  3.0 2..3 [2 5] sample [908]
+  pool free=0 cached=3 running=3 waiting=0
+step
+  1.0 3..4 [0 3] sample [909]
+  2.0 3..4 [1 4] sample [910]
+  3.0 3..4 [2 5] sample [911]
+  pool free=0 cached=6 running=3 waiting=0
+step
+  preempt 3.0
+  1.0 4..5 [0 3 5] sample [912]
+  2.0 4..5 [1 4 2] sample [913]
+  done 1.0
+  done 2.0
+  pool free=6 cached=4 running=0 waiting=1
+step
+  3.0 0..5 [2 5 3] sample [914]
+  done 3.0
+  pool free=6 cached=5 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn a_group_reserves_n_slots_until_it_forks() {
+    check(
+        "
+config bs=4 blocks=16 seqs=2
+add 1 A3 n=2 max=2
+add 2 B3 max=1
+step
+  1.0 0..3 [0] sample x2 [900, 901]
+  pool free=15 cached=0 running=2 waiting=1
+step
+  copy 0->1
+  1.0 3..4 [1] sample [902]
+  1.1 3..4 [0] sample [903]
+  done 1.0
+  done 1.1
+  pool free=16 cached=2 running=0 waiting=1
+step
+  2.0 0..3 [2] sample [904]
+  done 2.0
+  pool free=16 cached=2 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn no_prefix_reuse_when_caching_is_off() {
+    check(
+        "
+config bs=4 blocks=8 nocache
+add 1 A9 max=1
+step
+  1.0 0..9 [0 1 2] sample [900]
+  done 1.0
+  pool free=8 cached=0 running=0 waiting=0
+add 2 A9 max=1
+step
+  2.0 0..9 [0 1 2] sample [901]
+  done 2.0
+  pool free=8 cached=0 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn prefill_role_never_decodes_and_holds_blocks() {
+    check(
+        "
+config bs=4 blocks=8 role=prefill
+add 1 A6 max=8
+step
+  1.0 0..6 [0 1] sample [900]
+  pool free=6 cached=1 running=1 waiting=0
+step
+  idle
+  pool free=6 cached=1 running=1 waiting=0
+hold 1.0
+  [0 1]
+step
+  idle
+  pool free=6 cached=1 running=0 waiting=0
+release 1
+  true
+  pool free=8 cached=1 running=0 waiting=0
+release 1
+  false
+  pool free=8 cached=1 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn decode_role_takes_remote_kv() {
+    check(
+        "
+config bs=4 blocks=8 role=decode
+remote 1 A9 max=3
+  [0 1 2] cached=0
+step
+  idle
+  pool free=5 cached=0 running=0 waiting=0
+ready 1 5
+ready 1 5
+  error: unknown request 1
+step
+  1.0 9..10 [0 1 2] sample [900]
+  pool free=5 cached=2 running=1 waiting=0
+remote 2 A8B2 max=1
+  [0 1 3] cached=8
+remote 3 C20
+  error: KV pool is full: need 5 free blocks, 4 available
+abort 2
+  true
+  pool free=5 cached=2 running=1 waiting=0
+step
+  1.0 10..11 [0 1 2] sample [901]
+  done 1.0
+  pool free=8 cached=2 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn abort_anywhere_frees_everything() {
+    check(
+        "
+config bs=4 blocks=8 budget=4
+add 1 A10 max=2
+add 2 B3 max=2
+step
+  1.0 0..4 [0]
+  pool free=7 cached=1 running=1 waiting=1
+abort 1
+  true
+  pool free=8 cached=1 running=0 waiting=1
+abort 2
+  true
+  pool free=8 cached=1 running=0 waiting=0
+abort 2
+  false
+  pool free=8 cached=1 running=0 waiting=0
+add 3 C5 max=3
+step
+  3.0 0..4 [1]
+  pool free=7 cached=2 running=1 waiting=0
+abort 3
+  true
+  pool free=8 cached=2 running=0 waiting=0
+",
+    );
+}
+
+#[test]
+fn invalid_requests_get_typed_errors() {
+    check(
+        "
+config bs=4 blocks=4 seqs=2 maxlen=20
+add 1 A3
+add 1 A3
+  error: request 1 already exists
+add 2 A0
+  error: the prompt is empty
+add 3 A3 n=0
+  error: invalid sampling parameter: n must be at least 1
+add 4 A3 n=3
+  error: invalid sampling parameter: n = 3 exceeds the 2 sequences this engine runs at once
+add 5 A3 max=0
+  error: invalid sampling parameter: max_tokens must be at least 1
+add 6 A10 max=11
+  error: prompt has 10 tokens; with max_tokens 11 that exceeds the context limit of 20 tokens
+add 7 A10 max=8
+  error: request needs 5 KV blocks but the pool only has 4
 ",
     );
 }
