@@ -193,7 +193,11 @@ impl Scheduler {
         match self.pool.prepare_write(&mut s.table, start, k) {
             Ok(copies) => out.copies.extend(copies),
             Err(e) => {
-                // Callers check the free blocks first; reaching this is a scheduler bug.
+                // Callers check the free blocks first; reaching this is a scheduler bug. Debug
+                // builds stop here; release builds skip the chunk (the sequence retries later).
+                if cfg!(debug_assertions) {
+                    panic!("scheduler bug: chunk for {id} scheduled without its blocks: {e}");
+                }
                 tracing::error!(%id, error = %e, "scheduled a chunk without the blocks for it");
                 return;
             }
