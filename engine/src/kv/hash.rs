@@ -85,7 +85,10 @@ mod tests {
     fn chaining_distinguishes_parents_and_order() {
         let a = block_hash(ROOT_HASH, &[1, 2, 3, 4]);
         assert_ne!(a, block_hash(ROOT_HASH, &[4, 3, 2, 1]));
-        assert_ne!(block_hash(a, &[5, 6, 7, 8]), block_hash(ROOT_HASH, &[5, 6, 7, 8]));
+        assert_ne!(
+            block_hash(a, &[5, 6, 7, 8]),
+            block_hash(ROOT_HASH, &[5, 6, 7, 8])
+        );
         assert_eq!(a, block_hash(ROOT_HASH, &[1, 2, 3, 4]));
     }
 

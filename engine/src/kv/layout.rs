@@ -78,7 +78,13 @@ mod tests {
     use super::*;
 
     fn layout() -> KvLayout {
-        KvLayout { num_layers: 3, num_blocks: 5, block_size: 4, num_kv_heads: 2, head_dim: 8 }
+        KvLayout {
+            num_layers: 3,
+            num_blocks: 5,
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+        }
     }
 
     #[test]
@@ -115,9 +121,9 @@ mod tests {
                 for s in 0..l.block_size {
                     for off in [l.k_offset(id, h, s), l.v_offset(id, h, s)] {
                         assert!(range.contains(&off) && range.contains(&(off + l.head_dim - 1)));
-                        for e in off..off + l.head_dim {
-                            assert!(!seen[e], "element {e} covered twice");
-                            seen[e] = true;
+                        for (e, slot) in seen.iter_mut().enumerate().skip(off).take(l.head_dim) {
+                            assert!(!*slot, "element {e} covered twice");
+                            *slot = true;
                         }
                     }
                 }

@@ -84,7 +84,9 @@ impl BlockPool {
             )));
         }
         if u32::try_from(num_blocks).is_err() {
-            return Err(Error::InvalidKvConfig(format!("{num_blocks} KV blocks is too many")));
+            return Err(Error::InvalidKvConfig(format!(
+                "{num_blocks} KV blocks is too many"
+            )));
         }
         Ok(BlockPool {
             block_size,
@@ -154,7 +156,11 @@ impl BlockPool {
     /// Longest chain of cached blocks equal to the leading full blocks of `tokens`, at most
     /// `max_blocks` long. Pure lookup: nothing is referenced until [`Self::acquire_prefix`].
     pub fn match_prefix(&self, tokens: &[u32], max_blocks: usize) -> PrefixMatch {
-        let mut m = PrefixMatch { blocks: Vec::new(), links: Vec::new(), unreferenced: 0 };
+        let mut m = PrefixMatch {
+            blocks: Vec::new(),
+            links: Vec::new(),
+            unreferenced: 0,
+        };
         let mut parent = Link::ROOT;
         for block_tokens in tokens.chunks_exact(self.block_size).take(max_blocks) {
             match self.cache.probe(parent, block_tokens) {
@@ -185,7 +191,11 @@ impl BlockPool {
             table.blocks.push(block);
             link = expected;
         }
-        table.chain = CacheChain { processed: table.blocks.len(), link, broken: false };
+        table.chain = CacheChain {
+            processed: table.blocks.len(),
+            link,
+            broken: false,
+        };
         table
     }
 
@@ -214,7 +224,10 @@ impl BlockPool {
     ) -> Result<Vec<BlockCopy>> {
         let needed = self.blocks_needed(table, start_pos, num_tokens);
         if needed > self.num_free() {
-            return Err(Error::KvPoolFull { needed, free: self.num_free() });
+            return Err(Error::KvPoolFull {
+                needed,
+                free: self.num_free(),
+            });
         }
         let mut copies = Vec::new();
         for i in self.written_existing(table, start_pos, num_tokens) {
@@ -236,9 +249,14 @@ impl BlockPool {
     /// Appends fresh blocks until `table` covers `num_tokens` positions (no copies). All or
     /// nothing; errors with [`Error::KvPoolFull`].
     pub fn grow(&mut self, table: &mut BlockTable, num_tokens: usize) -> Result<()> {
-        let needed = self.blocks_for(num_tokens).saturating_sub(table.blocks.len());
+        let needed = self
+            .blocks_for(num_tokens)
+            .saturating_sub(table.blocks.len());
         if needed > self.num_free() {
-            return Err(Error::KvPoolFull { needed, free: self.num_free() });
+            return Err(Error::KvPoolFull {
+                needed,
+                free: self.num_free(),
+            });
         }
         for _ in 0..needed {
             let b = self.take_free().expect("checked: enough free blocks");
@@ -253,7 +271,10 @@ impl BlockPool {
         for &b in &table.blocks {
             self.take_ref(b);
         }
-        BlockTable { blocks: table.blocks.clone(), chain: table.chain }
+        BlockTable {
+            blocks: table.blocks.clone(),
+            chain: table.chain,
+        }
     }
 
     /// Returns a table's references. Blocks reaching reference count 0 become evictable when
@@ -269,7 +290,12 @@ impl BlockPool {
     /// Blocks whose content is already cached elsewhere stay private; a differing unreferenced
     /// entry with the same hash is evicted; a differing referenced one stops registration for
     /// this table.
-    pub fn register_computed(&mut self, table: &mut BlockTable, tokens: &[u32], num_computed: usize) {
+    pub fn register_computed(
+        &mut self,
+        table: &mut BlockTable,
+        tokens: &[u32],
+        num_computed: usize,
+    ) {
         let full = (num_computed.min(tokens.len()) / self.block_size).min(table.blocks.len());
         while !table.chain.broken && table.chain.processed < full {
             let i = table.chain.processed;
@@ -369,7 +395,9 @@ impl BlockPool {
         if num_tokens == 0 {
             return first..first;
         }
-        let end = self.blocks_for(start_pos + num_tokens).min(table.blocks.len());
+        let end = self
+            .blocks_for(start_pos + num_tokens)
+            .min(table.blocks.len());
         first..end.max(first)
     }
 
@@ -425,7 +453,8 @@ impl BlockPool {
     fn release(&mut self, block: BlockId) {
         let i = block.index();
         if self.ref_counts[i] == 0 {
-            self.fault.get_or_insert_with(|| format!("block {block} released twice"));
+            self.fault
+                .get_or_insert_with(|| format!("block {block} released twice"));
             return;
         }
         self.ref_counts[i] -= 1;

@@ -14,7 +14,11 @@ fn ids(t: &BlockTable) -> Vec<u32> {
 /// Allocates and "computes" `tokens` into a fresh table, registering its full blocks.
 fn computed(pool: &mut BlockPool, tokens: &[u32]) -> BlockTable {
     let mut t = BlockTable::new();
-    assert!(pool.prepare_write(&mut t, 0, tokens.len()).unwrap().is_empty());
+    assert!(
+        pool.prepare_write(&mut t, 0, tokens.len())
+            .unwrap()
+            .is_empty()
+    );
     pool.register_computed(&mut t, tokens, tokens.len());
     t
 }
@@ -38,7 +42,10 @@ fn grow_and_free() {
     assert!(pool.grow(&mut t, 17).is_err(), "needs 3 more, 2 free");
     assert_eq!(t.len(), 2, "failed grow changes nothing");
     pool.check_invariants([&t]).unwrap();
-    assert!(pool.check_invariants([]).is_err(), "a forgotten table is a leak");
+    assert!(
+        pool.check_invariants([]).is_err(),
+        "a forgotten table is a leak"
+    );
     pool.free(t);
     assert!(pool.is_fully_free());
     pool.check_invariants([]).unwrap();
@@ -137,7 +144,10 @@ fn a_hit_protects_blocks_from_eviction() {
     let hit = pool.acquire_prefix(m);
     let mut t = BlockTable::new();
     pool.grow(&mut t, 2).unwrap();
-    assert!(pool.grow(&mut t, 4).is_err(), "hit blocks are referenced, not evictable");
+    assert!(
+        pool.grow(&mut t, 4).is_err(),
+        "hit blocks are referenced, not evictable"
+    );
     pool.check_invariants([&hit, &t]).unwrap();
     pool.free(hit);
     pool.free(t);
@@ -152,7 +162,11 @@ fn fork_and_copy_on_write() {
     kv.write(parent.blocks(), &tokens, 0, 6);
     let mut child = pool.fork(&parent);
     assert_eq!(pool.ref_count(parent.blocks()[1]), 2);
-    assert_eq!(pool.blocks_needed(&child, 6, 1), 1, "one copy of the shared partial block");
+    assert_eq!(
+        pool.blocks_needed(&child, 6, 1),
+        1,
+        "one copy of the shared partial block"
+    );
 
     let mut ct = tokens.clone();
     ct.push(100);
@@ -160,13 +174,20 @@ fn fork_and_copy_on_write() {
     assert_eq!(copies.len(), 1);
     assert_eq!(copies[0].src, parent.blocks()[1]);
     assert_eq!(child.blocks()[1], copies[0].dst);
-    assert_eq!(child.blocks()[0], parent.blocks()[0], "full blocks stay shared");
+    assert_eq!(
+        child.blocks()[0],
+        parent.blocks()[0],
+        "full blocks stay shared"
+    );
     kv.copy(&copies);
     kv.write(child.blocks(), &ct, 6, 7);
 
     let mut pt = tokens.clone();
     pt.push(200);
-    assert!(pool.prepare_write(&mut parent, 6, 1).unwrap().is_empty(), "sole owner writes in place");
+    assert!(
+        pool.prepare_write(&mut parent, 6, 1).unwrap().is_empty(),
+        "sole owner writes in place"
+    );
     kv.write(parent.blocks(), &pt, 6, 7);
     kv.verify(parent.blocks(), &pt, 7).unwrap();
     kv.verify(child.blocks(), &ct, 7).unwrap();
@@ -199,7 +220,11 @@ fn registered_blocks_are_never_written_in_place() {
     let copies = pool.prepare_write(&mut t, 1, 1).unwrap();
     assert_eq!(copies.len(), 1);
     assert_eq!(copies[0].src, cached);
-    assert_eq!(pool.match_prefix(&[1, 2], 1).blocks(), &[cached], "entry intact");
+    assert_eq!(
+        pool.match_prefix(&[1, 2], 1).blocks(),
+        &[cached],
+        "entry intact"
+    );
     pool.check_invariants([&t]).unwrap();
     pool.free(t);
 }
@@ -269,7 +294,14 @@ impl Workload {
             })
             .collect();
         let kv = KvSim::new(pool.num_blocks(), bs);
-        Workload { rng, pool, kv, seqs: Vec::new(), caching, prefixes }
+        Workload {
+            rng,
+            pool,
+            kv,
+            seqs: Vec::new(),
+            caching,
+            prefixes,
+        }
     }
 
     /// Computes positions `computed .. computed + k` of `seq`, if the pool allows.
@@ -279,10 +311,12 @@ impl Workload {
             return Some(seq);
         };
         self.kv.copy(&copies);
-        self.kv.write(seq.table.blocks(), &seq.tokens, start, start + k);
+        self.kv
+            .write(seq.table.blocks(), &seq.tokens, start, start + k);
         seq.computed += k;
         if self.caching {
-            self.pool.register_computed(&mut seq.table, &seq.tokens, seq.computed);
+            self.pool
+                .register_computed(&mut seq.table, &seq.tokens, seq.computed);
         }
         Some(seq)
     }
@@ -299,7 +333,11 @@ impl Workload {
             (BlockTable::new(), 0)
         };
         let k = self.rng.random_range(1..=tokens.len() - computed);
-        let seq = Seq { table, tokens, computed };
+        let seq = Seq {
+            table,
+            tokens,
+            computed,
+        };
         if let Some(seq) = self.compute(seq, k) {
             if seq.computed == computed && computed == 0 {
                 // Nothing computed and nothing held: the admission failed.
@@ -338,7 +376,11 @@ impl Workload {
                 let i = self.rng.random_range(0..n);
                 let table = self.pool.fork(&self.seqs[i].table);
                 let s = &self.seqs[i];
-                let child = Seq { table, tokens: s.tokens.clone(), computed: s.computed };
+                let child = Seq {
+                    table,
+                    tokens: s.tokens.clone(),
+                    computed: s.computed,
+                };
                 self.seqs.push(child);
             }
             72..88 if n > 0 => {
@@ -363,9 +405,13 @@ impl Workload {
     }
 
     fn check(&self) {
-        self.pool.check_invariants(self.seqs.iter().map(|s| &s.table)).unwrap();
+        self.pool
+            .check_invariants(self.seqs.iter().map(|s| &s.table))
+            .unwrap();
         for s in &self.seqs {
-            self.kv.verify(s.table.blocks(), &s.tokens, s.computed).unwrap();
+            self.kv
+                .verify(s.table.blocks(), &s.tokens, s.computed)
+                .unwrap();
         }
     }
 
@@ -392,7 +438,10 @@ fn run_workload(seed: u64, pool: BlockPool, caching: bool, steps: usize) {
         }
     }
     if caching {
-        assert!(peak_cached > 0, "the workload never exercised the prefix cache");
+        assert!(
+            peak_cached > 0,
+            "the workload never exercised the prefix cache"
+        );
     }
     w.finish_all();
 }
@@ -411,7 +460,12 @@ fn random_workload_without_prefix_caching() {
 
 #[test]
 fn random_workload_with_colliding_hashes() {
-    run_workload(200, BlockPool::with_hasher(24, 2, terrible_hash).unwrap(), true, 20_000);
+    run_workload(
+        200,
+        BlockPool::with_hasher(24, 2, terrible_hash).unwrap(),
+        true,
+        20_000,
+    );
 }
 
 #[test]

@@ -23,7 +23,10 @@ pub(super) struct Link {
 
 impl Link {
     /// The virtual parent of every first block.
-    pub(super) const ROOT: Link = Link { hash: ROOT_HASH, reg: 0 };
+    pub(super) const ROOT: Link = Link {
+        hash: ROOT_HASH,
+        reg: 0,
+    };
 }
 
 /// What a registered block holds.
@@ -96,7 +99,10 @@ impl PrefixCache {
 
     /// The current link of a registered block, if it is registered.
     pub(super) fn link_of(&self, block: BlockId) -> Option<Link> {
-        self.entries[block.index()].as_ref().map(|e| Link { hash: e.hash, reg: e.reg })
+        self.entries[block.index()].as_ref().map(|e| Link {
+            hash: e.hash,
+            reg: e.reg,
+        })
     }
 
     /// Registers `block` as holding `tokens` after `parent`. The caller has probed `Vacant`.
@@ -104,8 +110,12 @@ impl PrefixCache {
         let hash = (self.hasher)(parent.hash, tokens);
         let reg = self.next_reg;
         self.next_reg += 1;
-        self.entries[block.index()] =
-            Some(Entry { hash, parent_reg: parent.reg, reg, tokens: tokens.into() });
+        self.entries[block.index()] = Some(Entry {
+            hash,
+            parent_reg: parent.reg,
+            reg,
+            tokens: tokens.into(),
+        });
         self.by_hash.insert(hash, block);
         Link { hash, reg }
     }

@@ -25,7 +25,10 @@ pub(crate) struct KvSim {
 
 impl KvSim {
     pub(crate) fn new(num_blocks: usize, block_size: usize) -> Self {
-        KvSim { block_size, slots: vec![None; num_blocks * block_size] }
+        KvSim {
+            block_size,
+            slots: vec![None; num_blocks * block_size],
+        }
     }
 
     fn slot(&self, table: &[BlockId], pos: usize) -> usize {
@@ -60,7 +63,10 @@ impl KvSim {
         end: usize,
     ) -> Result<(), String> {
         if table.len() * self.block_size < end {
-            return Err(format!("table of {} blocks cannot cover {end} positions", table.len()));
+            return Err(format!(
+                "table of {} blocks cannot cover {end} positions",
+                table.len()
+            ));
         }
         let fp = fingerprints(&tokens[..end]);
         for (p, &f) in fp.iter().enumerate() {

@@ -23,7 +23,11 @@ pub(super) struct CacheChain {
 
 impl CacheChain {
     pub(super) const fn root() -> Self {
-        CacheChain { processed: 0, link: Link::ROOT, broken: false }
+        CacheChain {
+            processed: 0,
+            link: Link::ROOT,
+            broken: false,
+        }
     }
 }
 
@@ -44,7 +48,10 @@ impl Default for BlockTable {
 impl BlockTable {
     /// An empty table (holds no blocks).
     pub fn new() -> Self {
-        BlockTable { blocks: Vec::new(), chain: CacheChain::root() }
+        BlockTable {
+            blocks: Vec::new(),
+            chain: CacheChain::root(),
+        }
     }
 
     /// The blocks, in position order.

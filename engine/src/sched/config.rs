@@ -76,7 +76,10 @@ impl SchedulerConfig {
             }
         }
         if u32::try_from(self.num_blocks).is_err() {
-            return Err(Error::InvalidKvConfig(format!("{} KV blocks is too many", self.num_blocks)));
+            return Err(Error::InvalidKvConfig(format!(
+                "{} KV blocks is too many",
+                self.num_blocks
+            )));
         }
         Ok(())
     }
@@ -96,13 +99,31 @@ mod tests {
         assert!(c.enable_prefix_caching);
         c.validate().unwrap();
         for bad in [
-            SchedulerConfig { block_size: 0, ..c.clone() },
-            SchedulerConfig { num_blocks: 0, ..c.clone() },
-            SchedulerConfig { max_num_seqs: 0, ..c.clone() },
-            SchedulerConfig { max_num_batched_tokens: 0, ..c.clone() },
-            SchedulerConfig { max_model_len: 0, ..c.clone() },
+            SchedulerConfig {
+                block_size: 0,
+                ..c.clone()
+            },
+            SchedulerConfig {
+                num_blocks: 0,
+                ..c.clone()
+            },
+            SchedulerConfig {
+                max_num_seqs: 0,
+                ..c.clone()
+            },
+            SchedulerConfig {
+                max_num_batched_tokens: 0,
+                ..c.clone()
+            },
+            SchedulerConfig {
+                max_model_len: 0,
+                ..c.clone()
+            },
         ] {
-            assert!(matches!(bad.validate(), Err(Error::InvalidKvConfig(_))), "{bad:?}");
+            assert!(
+                matches!(bad.validate(), Err(Error::InvalidKvConfig(_))),
+                "{bad:?}"
+            );
         }
     }
 }

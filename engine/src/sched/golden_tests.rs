@@ -85,18 +85,36 @@ impl Harness {
             self.say(format!("copy {}->{}", c.src, c.dst));
         }
         for p in &sched.preempted {
-            assert!(sched.chunks.iter().all(|c| c.seq != *p), "preempted {p} has a chunk");
+            assert!(
+                sched.chunks.iter().all(|c| c.seq != *p),
+                "preempted {p} has a chunk"
+            );
             self.say(format!("preempt {p}"));
         }
         let mut samples = Vec::new();
         for c in &sched.chunks {
             let end = c.start_pos + c.tokens.len();
-            assert_eq!(c.block_table.len(), end.div_ceil(self.s.config().block_size));
-            let mut line = format!("{} {}..{} {}", c.seq, c.start_pos, end, blocks(&c.block_table));
+            assert_eq!(
+                c.block_table.len(),
+                end.div_ceil(self.s.config().block_size)
+            );
+            let mut line = format!(
+                "{} {}..{} {}",
+                c.seq,
+                c.start_pos,
+                end,
+                blocks(&c.block_table)
+            );
             if c.sample {
-                let toks: Vec<u32> = (0..c.num_samples as u32).map(|i| self.next_token + i).collect();
+                let toks: Vec<u32> = (0..c.num_samples as u32)
+                    .map(|i| self.next_token + i)
+                    .collect();
                 self.next_token += c.num_samples as u32;
-                line += &if c.num_samples > 1 { format!(" sample x{}", c.num_samples) } else { " sample".into() };
+                line += &if c.num_samples > 1 {
+                    format!(" sample x{}", c.num_samples)
+                } else {
+                    " sample".into()
+                };
                 line += &format!(" {toks:?}");
                 samples.push((c.seq, toks));
             }
@@ -141,7 +159,12 @@ impl Harness {
             "add" | "remote" => {
                 let id = RequestId(args[0].parse().unwrap());
                 let p = prompt(args[1]);
-                let req = NewRequest { id, prompt: p.clone(), n: kv(args, "n", 1), max_tokens: kv(args, "max", 4) };
+                let req = NewRequest {
+                    id,
+                    prompt: p.clone(),
+                    n: kv(args, "n", 1),
+                    max_tokens: kv(args, "max", 4),
+                };
                 self.max_tokens.insert(id, (p.len(), req.max_tokens));
                 if words[0] == "add" {
                     if let Err(e) = self.s.add_request(req) {
@@ -149,7 +172,11 @@ impl Harness {
                     }
                 } else {
                     match self.s.allocate_remote(req) {
-                        Ok(a) => self.say(format!("{} cached={}", blocks(&a.block_table), a.num_cached_tokens)),
+                        Ok(a) => self.say(format!(
+                            "{} cached={}",
+                            blocks(&a.block_table),
+                            a.num_cached_tokens
+                        )),
                         Err(e) => self.say(format!("error: {e}")),
                     }
                 }
@@ -184,8 +211,11 @@ impl Harness {
 
 /// Replays the transcript's commands and compares the regenerated transcript.
 fn check(transcript: &str) {
-    let expected: Vec<&str> =
-        transcript.lines().map(str::trim_end).filter(|l| !l.trim().is_empty()).collect();
+    let expected: Vec<&str> = transcript
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.trim().is_empty())
+        .collect();
     let cfg_words: Vec<&str> = expected[0].split_whitespace().collect();
     assert_eq!(cfg_words[0], "config");
     let mut h = Harness {
@@ -212,7 +242,11 @@ fn check(transcript: &str) {
 /// Transcript lines compare with uniform indentation: commands flush left, output indented 2.
 fn normalize(line: &str) -> String {
     let t = line.trim();
-    if line.starts_with(' ') || line.starts_with('\t') { format!("  {t}") } else { t.to_string() }
+    if line.starts_with(' ') || line.starts_with('\t') {
+        format!("  {t}")
+    } else {
+        t.to_string()
+    }
 }
 
 #[test]

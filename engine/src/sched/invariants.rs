@@ -12,12 +12,21 @@ use super::{Scheduler, SeqId};
 impl Scheduler {
     /// Verifies every scheduler and pool invariant; the error says which one broke.
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.pool.check_invariants(self.seqs.values().map(|s| &s.table))?;
+        self.pool
+            .check_invariants(self.seqs.values().map(|s| &s.table))?;
 
         let queues: [(&str, Vec<SeqId>, SeqState); 3] = [
-            ("waiting", self.waiting.iter().copied().collect(), SeqState::Waiting),
+            (
+                "waiting",
+                self.waiting.iter().copied().collect(),
+                SeqState::Waiting,
+            ),
             ("running", self.running.clone(), SeqState::Running),
-            ("ready", self.ready.iter().copied().collect(), SeqState::Ready),
+            (
+                "ready",
+                self.ready.iter().copied().collect(),
+                SeqState::Ready,
+            ),
         ];
         let mut queued = HashSet::new();
         for (name, ids, state) in &queues {
@@ -35,7 +44,10 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         for (id, s) in &self.seqs {
             let in_queue = queued.contains(id);
-            let wants_queue = matches!(s.state, SeqState::Waiting | SeqState::Running | SeqState::Ready);
+            let wants_queue = matches!(
+                s.state,
+                SeqState::Waiting | SeqState::Running | SeqState::Ready
+            );
             if in_queue != wants_queue {
                 return Err(format!("{id} ({:?}) queued: {in_queue}", s.state));
             }
@@ -46,7 +58,11 @@ impl Scheduler {
                 return Err(format!("{id} is not listed by its request"));
             }
             if s.num_computed > s.tokens.len() || s.tokens.len() < g.prompt_len {
-                return Err(format!("{id}: {} computed of {} tokens", s.num_computed, s.tokens.len()));
+                return Err(format!(
+                    "{id}: {} computed of {} tokens",
+                    s.num_computed,
+                    s.tokens.len()
+                ));
             }
             let covers = s.table.len();
             let ok = match s.state {
@@ -75,7 +91,12 @@ impl Scheduler {
                 }
             }
         }
-        let stamps: Vec<u64> = self.running.iter().filter_map(|id| self.seqs.get(id)).map(|s| s.admitted).collect();
+        let stamps: Vec<u64> = self
+            .running
+            .iter()
+            .filter_map(|id| self.seqs.get(id))
+            .map(|s| s.admitted)
+            .collect();
         if stamps.windows(2).any(|w| w[0] > w[1]) {
             return Err("running is not in admission order".into());
         }

@@ -51,7 +51,11 @@ impl Sim {
     fn new(seed: u64, cfg: SchedulerConfig) -> Self {
         let mut rng = SmallRng::seed_from_u64(seed);
         let prefixes = (0..3)
-            .map(|_| (0..rng.random_range(3..14)).map(|_| rng.random_range(0..20)).collect())
+            .map(|_| {
+                (0..rng.random_range(3..14))
+                    .map(|_| rng.random_range(0..20))
+                    .collect()
+            })
             .collect();
         let kv = KvSim::new(cfg.num_blocks, cfg.block_size);
         Sim {
@@ -78,9 +82,18 @@ impl Sim {
         };
         let extra = self.rng.random_range(0..10);
         prompt.extend((0..extra).map(|_| self.rng.random_range(0..20)));
-        let n = if self.rng.random_bool(0.25) { self.rng.random_range(2..=3) } else { 1 };
+        let n = if self.rng.random_bool(0.25) {
+            self.rng.random_range(2..=3)
+        } else {
+            1
+        };
         let max_tokens = self.rng.random_range(0..12);
-        NewRequest { id, prompt, n, max_tokens }
+        NewRequest {
+            id,
+            prompt,
+            n,
+            max_tokens,
+        }
     }
 
     /// Expected verdict of admission for `req`, computed independently of the scheduler.
@@ -143,11 +156,22 @@ impl Sim {
                 assert_eq!(alloc.block_table.len(), prompt.len().div_ceil(bs));
                 assert_eq!(alloc.num_cached_tokens % bs, 0);
                 // The cached prefix already holds this prompt's KV; the transfer writes the rest.
-                self.kv.verify(&alloc.block_table, &prompt, alloc.num_cached_tokens).unwrap();
+                self.kv
+                    .verify(&alloc.block_table, &prompt, alloc.num_cached_tokens)
+                    .unwrap();
                 for &b in &alloc.block_table[alloc.num_cached_tokens / bs..] {
-                    assert_eq!(self.s.pool().ref_count(b), 1, "transfer target must be private");
+                    assert_eq!(
+                        self.s.pool().ref_count(b),
+                        1,
+                        "transfer target must be private"
+                    );
                 }
-                self.kv.write(&alloc.block_table, &prompt, alloc.num_cached_tokens, prompt.len());
+                self.kv.write(
+                    &alloc.block_table,
+                    &prompt,
+                    alloc.num_cached_tokens,
+                    prompt.len(),
+                );
                 self.stats.cache_hit_tokens += alloc.num_cached_tokens;
                 self.mirror.insert(SeqId::new(id, 0), prompt.clone());
                 self.limits.insert(id, (prompt.len(), max));
@@ -156,7 +180,10 @@ impl Sim {
             Err(Error::InvalidSampling(_)) if bad_n || expected == Some("sampling") => {}
             Err(e) => {
                 let v = Self::verdict(&e);
-                assert!(Some(v) == expected || (v == "pool full" && expected.is_none()), "{e}");
+                assert!(
+                    Some(v) == expected || (v == "pool full" && expected.is_none()),
+                    "{e}"
+                );
             }
         }
     }
@@ -195,8 +222,13 @@ impl Sim {
     }
 
     fn release_random(&mut self) {
-        let mut held: Vec<SeqId> =
-            self.s.seqs.values().filter(|s| s.state == SeqState::Held).map(|s| s.id).collect();
+        let mut held: Vec<SeqId> = self
+            .s
+            .seqs
+            .values()
+            .filter(|s| s.state == SeqState::Held)
+            .map(|s| s.id)
+            .collect();
         held.sort_unstable();
         if held.is_empty() {
             return;
@@ -207,7 +239,9 @@ impl Sim {
         // the prompt's KV (hold again just returns the table).
         for &h in held.iter().filter(|h| h.request == id.request) {
             let blocks = self.s.hold(h);
-            self.kv.verify(&blocks, &self.mirror[&h], prompt_len).unwrap();
+            self.kv
+                .verify(&blocks, &self.mirror[&h], prompt_len)
+                .unwrap();
             self.mirror.remove(&h);
         }
         assert!(self.s.release(id.request));
@@ -239,40 +273,61 @@ impl Sim {
         self.stats.preemptions += sched.preempted.len();
         self.fresh.extend(sched.preempted.iter().copied());
         self.stats.copies += sched.copies.len();
-        assert!(sched.num_tokens() <= cfg.max_num_batched_tokens, "token budget");
+        assert!(
+            sched.num_tokens() <= cfg.max_num_batched_tokens,
+            "token budget"
+        );
         assert!(sched.chunks.len() <= cfg.max_num_seqs, "max_num_seqs");
         let mut seen = std::collections::HashSet::new();
         for c in &sched.chunks {
             assert!(seen.insert(c.seq), "one chunk per sequence");
-            assert!(!sched.preempted.contains(&c.seq), "a preempted sequence has no chunk");
+            assert!(
+                !sched.preempted.contains(&c.seq),
+                "a preempted sequence has no chunk"
+            );
             assert!(!c.tokens.is_empty());
             if self.fresh.remove(&c.seq) {
                 self.stats.cache_hit_tokens += c.start_pos;
                 assert!(cfg.enable_prefix_caching || c.start_pos == 0);
-                assert!(c.start_pos < self.mirror[&c.seq].len(), "the last token is computed");
+                assert!(
+                    c.start_pos < self.mirror[&c.seq].len(),
+                    "the last token is computed"
+                );
             }
             let end = c.start_pos + c.tokens.len();
-            assert_eq!(c.block_table.len(), end.div_ceil(cfg.block_size), "table covers chunk");
+            assert_eq!(
+                c.block_table.len(),
+                end.div_ceil(cfg.block_size),
+                "table covers chunk"
+            );
             let mine = &self.mirror[&c.seq];
             assert_eq!(&mine[c.start_pos..end], &c.tokens[..], "chunk tokens");
             assert_eq!(c.sample, end == mine.len());
             if cfg.role == Role::Prefill {
                 let prompt_len = self.limits[&c.seq.request].0;
-                assert!(end <= prompt_len || c.start_pos < prompt_len, "no decode on prefill role");
+                assert!(
+                    end <= prompt_len || c.start_pos < prompt_len,
+                    "no decode on prefill role"
+                );
             }
         }
         // The engine: copies first, then every chunk's KV, then attention reads.
         self.kv.copy(&sched.copies);
         for c in &sched.chunks {
             let end = c.start_pos + c.tokens.len();
-            self.kv.write(&c.block_table, &self.mirror[&c.seq], c.start_pos, end);
+            self.kv
+                .write(&c.block_table, &self.mirror[&c.seq], c.start_pos, end);
         }
         for c in &sched.chunks {
             let end = c.start_pos + c.tokens.len();
-            self.kv.verify(&c.block_table, &self.mirror[&c.seq], end).unwrap();
+            self.kv
+                .verify(&c.block_table, &self.mirror[&c.seq], end)
+                .unwrap();
         }
         for c in sched.chunks.iter().filter(|c| c.sample) {
-            let toks: Vec<u32> = (0..c.num_samples).map(|_| self.rng.random_range(0..20)).collect();
+            let toks: Vec<u32> = (0..c.num_samples)
+                .map(|_| self.rng.random_range(0..20))
+                .collect();
             self.s.on_sampled(c.seq, &toks);
             let base = self.mirror[&c.seq].clone();
             for (i, &t) in toks.iter().enumerate() {
@@ -289,7 +344,9 @@ impl Sim {
                     if self.rng.random_bool(0.8) {
                         let blocks = self.s.hold(id);
                         let prompt_len = self.limits[&id.request].0;
-                        self.kv.verify(&blocks, &self.mirror[&id], prompt_len).unwrap();
+                        self.kv
+                            .verify(&blocks, &self.mirror[&id], prompt_len)
+                            .unwrap();
                         self.stats.held += 1;
                     } else {
                         self.s.finish(id);
@@ -311,7 +368,9 @@ impl Sim {
         for (id, s) in &self.s.seqs {
             assert_eq!(&s.tokens, &self.mirror[id], "{id} tokens");
             // Nobody else's write ever clobbered this sequence's computed KV.
-            self.kv.verify(s.table.blocks(), &s.tokens, s.num_computed).unwrap();
+            self.kv
+                .verify(s.table.blocks(), &s.tokens, s.num_computed)
+                .unwrap();
         }
         assert_eq!(self.s.seqs.len(), self.mirror.len());
         assert_eq!(self.s.has_unfinished(), !self.limits.is_empty());
@@ -392,7 +451,10 @@ fn run(seed: u64, cfg: SchedulerConfig, steps: usize) -> Stats {
 fn random_colocated() {
     for seed in 0..4 {
         let st = run(seed, small_config(Role::Colocated), 4_000);
-        assert!(st.preemptions > 0 && st.copies > 0 && st.forks > 0, "{st:?}");
+        assert!(
+            st.preemptions > 0 && st.copies > 0 && st.forks > 0,
+            "{st:?}"
+        );
         assert!(st.cache_hit_tokens > 0, "{st:?}");
         assert!(st.finished > 100, "{st:?}");
     }
@@ -400,7 +462,10 @@ fn random_colocated() {
 
 #[test]
 fn random_colocated_without_prefix_caching() {
-    let cfg = SchedulerConfig { enable_prefix_caching: false, ..small_config(Role::Colocated) };
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: false,
+        ..small_config(Role::Colocated)
+    };
     let st = run(10, cfg, 4_000);
     assert!(st.preemptions > 0 && st.finished > 100, "{st:?}");
 }
@@ -417,7 +482,10 @@ fn random_prefill_role() {
 fn random_decode_role() {
     for seed in 30..33 {
         let st = run(seed, small_config(Role::Decode), 4_000);
-        assert!(st.remote > 100 && st.cache_hit_tokens > 0 && st.preemptions > 0, "{st:?}");
+        assert!(
+            st.remote > 100 && st.cache_hit_tokens > 0 && st.preemptions > 0,
+            "{st:?}"
+        );
     }
 }
 

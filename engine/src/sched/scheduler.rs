@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
-use crate::kv::{BlockId, BlockPool, BlockTable};
+use crate::kv::{BlockId, BlockPool};
 use crate::{Error, Result};
 
 use super::seq::{Group, SeqState, Sequence};
@@ -84,7 +84,8 @@ impl Scheduler {
         self.validate(&req)?;
         let id = SeqId::new(req.id, 0);
         self.insert_group(&req);
-        self.seqs.insert(id, Sequence::new(id, req.prompt, SeqState::Waiting));
+        self.seqs
+            .insert(id, Sequence::new(id, req.prompt, SeqState::Waiting));
         self.waiting.push_back(id);
         Ok(())
     }
@@ -113,7 +114,10 @@ impl Scheduler {
         let needed = self.pool.blocks_for(len) - m.len();
         let available = self.pool.num_free() - m.num_unreferenced();
         if needed > available {
-            return Err(Error::KvPoolFull { needed, free: available });
+            return Err(Error::KvPoolFull {
+                needed,
+                free: available,
+            });
         }
         let mut table = self.pool.acquire_prefix(m);
         let cached = table.len() * bs;
@@ -125,7 +129,10 @@ impl Scheduler {
         seq.table = table;
         seq.num_computed = cached;
         self.seqs.insert(id, seq);
-        Ok(RemoteAlloc { block_table, num_cached_tokens: cached })
+        Ok(RemoteAlloc {
+            block_table,
+            num_cached_tokens: cached,
+        })
     }
 
     /// Decode role: the prompt KV of a request from [`Self::allocate_remote`] has been written
@@ -144,7 +151,8 @@ impl Scheduler {
         }
         seq.num_computed = seq.tokens.len();
         if self.cfg.enable_prefix_caching {
-            self.pool.register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
+            self.pool
+                .register_computed(&mut seq.table, &seq.tokens, seq.num_computed);
         }
         seq.tokens.push(first_token);
         seq.state = SeqState::Ready;
@@ -184,8 +192,14 @@ impl Scheduler {
     /// Creates sequences `1..=extra.len()` of `parent`'s request, sharing its blocks, placed
     /// right after it in the running order.
     fn fork(&mut self, parent: SeqId, extra: &[u32]) {
-        let Some(p) = self.seqs.get(&parent) else { return };
-        let pos = self.running.iter().position(|&r| r == parent).unwrap_or(self.running.len());
+        let Some(p) = self.seqs.get(&parent) else {
+            return;
+        };
+        let pos = self
+            .running
+            .iter()
+            .position(|&r| r == parent)
+            .unwrap_or(self.running.len());
         let mut children = Vec::with_capacity(extra.len());
         for (i, &tok) in extra.iter().enumerate() {
             let id = SeqId::new(parent.request, i as u32 + 1);
@@ -222,7 +236,9 @@ impl Scheduler {
     ///
     /// Blocks of a request awaiting KV go straight back to the pool: cancel the transfer first.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        let Some(group) = self.groups.get(&id) else { return false };
+        let Some(group) = self.groups.get(&id) else {
+            return false;
+        };
         let live: Vec<u32> = group.live.iter().copied().collect();
         for index in live {
             self.remove_seq(SeqId::new(id, index));
@@ -235,7 +251,9 @@ impl Scheduler {
     /// [`Self::release`]; returns its block table. Applies to a running (or already held)
     /// sequence; for any other (or unknown) sequence nothing changes and the table is empty.
     pub fn hold(&mut self, seq: SeqId) -> Vec<BlockId> {
-        let Some(s) = self.seqs.get_mut(&seq) else { return Vec::new() };
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return Vec::new();
+        };
         match s.state {
             SeqState::Held => {}
             SeqState::Running => {
@@ -250,7 +268,9 @@ impl Scheduler {
     /// Frees the blocks of the request's held sequences (the transfer is over) and forgets them.
     /// False if the request has no held sequence.
     pub fn release(&mut self, id: RequestId) -> bool {
-        let Some(group) = self.groups.get(&id) else { return false };
+        let Some(group) = self.groups.get(&id) else {
+            return false;
+        };
         let held: Vec<SeqId> = group
             .live
             .iter()
@@ -273,7 +293,10 @@ impl Scheduler {
     pub fn has_schedulable(&self) -> bool {
         !self.waiting.is_empty()
             || !self.ready.is_empty()
-            || self.running.iter().any(|id| self.seqs.get(id).is_some_and(|s| self.can_run(s)))
+            || self
+                .running
+                .iter()
+                .any(|id| self.seqs.get(id).is_some_and(|s| self.can_run(s)))
     }
 
     /// Sequences admitted and not held.
@@ -288,22 +311,30 @@ impl Scheduler {
 
     /// Sequences whose prompt KV is still arriving.
     pub fn num_awaiting_kv(&self) -> usize {
-        self.seqs.values().filter(|s| s.state == SeqState::AwaitingKv).count()
+        self.seqs
+            .values()
+            .filter(|s| s.state == SeqState::AwaitingKv)
+            .count()
     }
 
     /// Sequences held for a KV transfer.
     pub fn num_held(&self) -> usize {
-        self.seqs.values().filter(|s| s.state == SeqState::Held).count()
+        self.seqs
+            .values()
+            .filter(|s| s.state == SeqState::Held)
+            .count()
     }
 
     /// A running sequence that has tokens to compute and is allowed to compute them: one that
     /// reached `max_tokens`, or (prefill role) has sampled, waits for the engine to finish or
     /// hold it.
     pub(super) fn can_run(&self, s: &Sequence) -> bool {
-        let Some(g) = self.groups.get(&s.id.request) else { return false };
+        let Some(g) = self.groups.get(&s.id.request) else {
+            return false;
+        };
         let generated = g.generated(s.tokens.len());
-        let parked = generated >= g.max_tokens
-            || (self.cfg.role == super::Role::Prefill && generated >= 1);
+        let parked =
+            generated >= g.max_tokens || (self.cfg.role == super::Role::Prefill && generated >= 1);
         s.state == SeqState::Running && s.remaining() > 0 && !parked
     }
 
@@ -324,7 +355,9 @@ impl Scheduler {
             )));
         }
         if req.max_tokens == 0 {
-            return Err(Error::InvalidSampling("max_tokens must be at least 1".into()));
+            return Err(Error::InvalidSampling(
+                "max_tokens must be at least 1".into(),
+            ));
         }
         let total = req.prompt.len().saturating_add(req.max_tokens);
         if total > self.cfg.max_model_len {
@@ -336,7 +369,10 @@ impl Scheduler {
         }
         let needed = self.pool.blocks_for(total);
         if needed > self.pool.num_blocks() {
-            return Err(Error::CapacityExceeded { needed, total: self.pool.num_blocks() });
+            return Err(Error::CapacityExceeded {
+                needed,
+                total: self.pool.num_blocks(),
+            });
         }
         Ok(())
     }
@@ -355,7 +391,9 @@ impl Scheduler {
     /// Removes a sequence from its queue and the group, freeing its blocks; drops the group
     /// when it was the last. No-op for an unknown sequence.
     pub(super) fn remove_seq(&mut self, id: SeqId) {
-        let Some(s) = self.seqs.remove(&id) else { return };
+        let Some(s) = self.seqs.remove(&id) else {
+            return;
+        };
         match s.state {
             SeqState::Waiting => self.waiting.retain(|&w| w != id),
             SeqState::Running => self.running.retain(|&r| r != id),
@@ -374,8 +412,10 @@ impl Scheduler {
     /// Preempts a running sequence by recompute: frees its blocks, forgets its KV and puts it
     /// at the front of the waiting queue.
     pub(super) fn preempt(&mut self, id: SeqId) {
-        let Some(s) = self.seqs.get_mut(&id) else { return };
-        let table = std::mem::replace(&mut s.table, BlockTable::new());
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let table = std::mem::take(&mut s.table);
         s.num_computed = 0;
         s.state = SeqState::Waiting;
         self.pool.free(table);

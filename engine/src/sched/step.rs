@@ -101,9 +101,17 @@ impl Scheduler {
     /// Gives running sequence `id` a chunk of up to `want` tokens, preempting the newest
     /// unscheduled running sequences while blocks are short. With `shrink`, a chunk that does
     /// not fit is first cut to what the free blocks hold.
-    fn place_running(&mut self, id: SeqId, want: usize, shrink: bool, out: &mut Schedule) -> Placed {
+    fn place_running(
+        &mut self,
+        id: SeqId,
+        want: usize,
+        shrink: bool,
+        out: &mut Schedule,
+    ) -> Placed {
         loop {
-            let Some(s) = self.seqs.get(&id) else { return Placed::Preempted };
+            let Some(s) = self.seqs.get(&id) else {
+                return Placed::Preempted;
+            };
             let start = s.num_computed;
             let free = self.pool.num_free();
             let fits = |k: usize| self.pool.blocks_needed(&s.table, start, k) <= free;
@@ -137,7 +145,9 @@ impl Scheduler {
     /// still grow. The caller is always such a sequence, so one is always found.
     fn victim(&self) -> Option<SeqId> {
         self.running.iter().rev().copied().find(|id| {
-            self.seqs.get(id).is_some_and(|s| s.scheduled_step != self.step && self.can_run(s))
+            self.seqs
+                .get(id)
+                .is_some_and(|s| s.scheduled_step != self.step && self.can_run(s))
         })
     }
 
@@ -146,7 +156,9 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let mut slots = self.slots_used();
         while *budget > 0 {
-            let Some(&id) = self.waiting.front() else { break };
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
             let (Some(s), Some(group)) = (self.seqs.get(&id), self.groups.get(&id.request)) else {
                 self.waiting.pop_front();
                 continue;
@@ -157,7 +169,11 @@ impl Scheduler {
             }
             let len = s.tokens.len();
             // Reuse cached full blocks, but leave at least the last token to compute.
-            let max_hit = if self.cfg.enable_prefix_caching { (len - 1) / bs } else { 0 };
+            let max_hit = if self.cfg.enable_prefix_caching {
+                (len - 1) / bs
+            } else {
+                0
+            };
             let m = self.pool.match_prefix(&s.tokens, max_hit);
             let cached = m.len() * bs;
             let k = (len - cached).min(*budget);
@@ -186,9 +202,13 @@ impl Scheduler {
 
     /// Schedules tokens `num_computed .. num_computed + k` of `id`; the blocks are known to fit.
     fn emit(&mut self, id: SeqId, k: usize, out: &mut Schedule) {
-        let Some(group) = self.groups.get(&id.request) else { return };
+        let Some(group) = self.groups.get(&id.request) else {
+            return;
+        };
         let num_samples_if_sampled = group.slot_cost(id.index);
-        let Some(s) = self.seqs.get_mut(&id) else { return };
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
         let start = s.num_computed;
         match self.pool.prepare_write(&mut s.table, start, k) {
             Ok(copies) => out.copies.extend(copies),
@@ -205,7 +225,8 @@ impl Scheduler {
         s.num_computed += k;
         s.scheduled_step = self.step;
         if self.cfg.enable_prefix_caching {
-            self.pool.register_computed(&mut s.table, &s.tokens, s.num_computed);
+            self.pool
+                .register_computed(&mut s.table, &s.tokens, s.num_computed);
         }
         let sample = s.num_computed == s.tokens.len();
         let block_table: Vec<BlockId> = s.table.blocks().to_vec();
