@@ -110,7 +110,7 @@ impl Scheduler {
     ) -> Placed {
         loop {
             let Some(s) = self.seqs.get(&id) else {
-                return Placed::Preempted;
+                return Placed::Tokens(0);
             };
             let start = s.num_computed;
             let free = self.pool.num_free();
