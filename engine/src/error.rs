@@ -69,6 +69,20 @@ pub enum Error {
         /// Blocks in the whole pool.
         total: usize,
     },
+    /// The KV pool or scheduler settings are unusable (zero blocks, zero budget, ...).
+    #[error("invalid KV cache / scheduler configuration: {0}")]
+    InvalidKvConfig(String),
+    /// Not enough free KV blocks right now (transient: retry once running requests finish).
+    #[error("KV pool is full: need {needed} free blocks, {free} available")]
+    KvPoolFull {
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks free (including evictable cached ones).
+        free: usize,
+    },
+    /// A request with this id is already in the engine.
+    #[error("request {0} already exists")]
+    DuplicateRequest(u64),
     /// The request id is not known to the engine.
     #[error("unknown request {0}")]
     UnknownRequest(u64),
