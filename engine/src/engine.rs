@@ -18,7 +18,8 @@ use crate::config::ModelConfig;
 use crate::detok::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 use crate::model::{BatchChunk, KvCache, Model};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::sched::{BlockCopy, NewRequest, RemoteAlloc, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
+use crate::kv::BlockCopy;
+use crate::sched::{NewRequest, RemoteAlloc, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::{Error, Result};
 
@@ -145,6 +146,9 @@ struct RequestState {
     seqs: Vec<SeqState>,
     seed: u64,
     usage: Usage,
+    /// Whether a chunk of this request has been scheduled yet (the first one starts after the
+    /// prefix-cache hit, which is how cached tokens are counted).
+    scheduled: bool,
 }
 
 /// One model instance with its KV pool, scheduler and live requests.
@@ -279,7 +283,7 @@ impl Engine {
         let seed = params.seed.unwrap_or_else(|| self.rng.random());
         let first = SeqState::new(&params, &prompt, seed, 0);
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
-        (id, RequestState { params, prompt, seqs: vec![first], seed, usage })
+        (id, RequestState { params, prompt, seqs: vec![first], seed, usage, scheduled: false })
     }
 
     /// Validates and queues a request; returns its id.
@@ -296,13 +300,15 @@ impl Engine {
     /// waits until [`Engine::kv_ready`].
     pub fn add_remote_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<(RequestId, RemoteAlloc)> {
         self.validate(&prompt, &params)?;
-        let (id, state) = self.new_state(prompt, params);
+        let (id, mut state) = self.new_state(prompt, params);
         let alloc = self.sched.allocate_remote(NewRequest {
             id,
             prompt: state.prompt.clone(),
             n: state.params.n,
             max_tokens: state.params.max_tokens,
         })?;
+        state.usage.cached_tokens = alloc.num_cached_tokens;
+        state.scheduled = true;
         self.requests.insert(id, state);
         Ok((id, alloc))
     }
@@ -350,6 +356,12 @@ impl Engine {
         }
         if schedule.chunks.is_empty() {
             return Ok(Vec::new());
+        }
+        for chunk in &schedule.chunks {
+            if let Some(req) = self.requests.get_mut(&chunk.seq.request).filter(|r| !r.scheduled) {
+                req.scheduled = true;
+                req.usage.cached_tokens = chunk.start_pos;
+            }
         }
         let tables: Vec<Vec<u32>> = schedule.chunks.iter().map(|c| c.block_table.iter().map(|b| b.0).collect()).collect();
         let batch: Vec<BatchChunk<'_>> = schedule
