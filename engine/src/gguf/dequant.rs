@@ -18,11 +18,14 @@ const BLOCKS_PER_TASK: usize = 1024;
 /// Decodes `bytes` (whole blocks of type `ty`) into `out`, whose length is the element count.
 /// Errors (as a reason string) if the type is not convertible or the sizes disagree.
 pub(crate) fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), String> {
-    let layout = ty
-        .layout()
-        .ok_or_else(|| format!("type {ty} cannot be converted (supported: {})", GgmlType::convertible_list()))?;
+    let layout = ty.layout().ok_or_else(|| {
+        format!(
+            "type {ty} cannot be converted (supported: {})",
+            GgmlType::convertible_list()
+        )
+    })?;
     let (be, bb) = (layout.block_elems, layout.block_bytes);
-    if out.len() % be != 0 || bytes.len() != out.len() / be * bb {
+    if !out.len().is_multiple_of(be) || bytes.len() != out.len() / be * bb {
         return Err(format!(
             "{} bytes of {ty} do not hold {} elements ({be} elements per {bb}-byte block)",
             bytes.len(),
@@ -33,7 +36,9 @@ pub(crate) fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<
         GgmlType::F32 => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         GgmlType::F16 => |b, o| o[0] = f16::from_le_bytes([b[0], b[1]]).to_f32(),
         GgmlType::BF16 => |b, o| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-        GgmlType::F64 => |b, o| o[0] = f64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8])) as f32,
+        GgmlType::F64 => {
+            |b, o| o[0] = f64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8])) as f32
+        }
         GgmlType::Q4_0 => q4_0,
         GgmlType::Q4_1 => q4_1,
         GgmlType::Q5_0 => q5_0,
@@ -154,7 +159,11 @@ fn q3_k(b: &[u8], o: &mut [f32]) {
     let d = half_at(b, 108);
     let mut scales = [0i8; 16];
     for (i, s) in scales.iter_mut().enumerate() {
-        let low = if i < 8 { packed[i] & 0x0F } else { packed[i - 8] >> 4 };
+        let low = if i < 8 {
+            packed[i] & 0x0F
+        } else {
+            packed[i - 8] >> 4
+        };
         let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 0x03;
         *s = (low | (high << 4)) as i8 - 32;
     }
@@ -184,7 +193,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -275,12 +287,18 @@ mod tests {
 
     #[test]
     fn plain_floats() {
-        let f: Vec<u8> = [1.5f32, -2.25].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f: Vec<u8> = [1.5f32, -2.25]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         assert_eq!(run(GgmlType::F32, &f, 2), vec![1.5, -2.25]);
         let f: Vec<u8> = [h(0.5), h(-3.0)].concat();
         assert_eq!(run(GgmlType::F16, &f, 2), vec![0.5, -3.0]);
         // bf16 0x3FC0 = 1.5, 0xC040 = -3.0
-        assert_eq!(run(GgmlType::BF16, &[0xC0, 0x3F, 0x40, 0xC0], 2), vec![1.5, -3.0]);
+        assert_eq!(
+            run(GgmlType::BF16, &[0xC0, 0x3F, 0x40, 0xC0], 2),
+            vec![1.5, -3.0]
+        );
         assert_eq!(run(GgmlType::F64, &0.125f64.to_le_bytes(), 1), vec![0.125]);
     }
 
@@ -318,8 +336,8 @@ mod tests {
             b.push((j * 4 - 64) as u8);
         }
         let out = run(GgmlType::Q8_0, &b, 32);
-        for j in 0..32 {
-            assert_eq!(out[j], (j as f32 * 4.0 - 64.0) * 2.0);
+        for (j, v) in out.iter().enumerate() {
+            assert_eq!(*v, (j as f32 * 4.0 - 64.0) * 2.0);
         }
     }
 
@@ -354,7 +372,9 @@ mod tests {
         scales[1] = 5 | (1 << 6); // sc1 = 5, contributes 16 to sc5
         scales[5] = 2 | (2 << 6); // m1 = 2, contributes 32 to m5
         scales[9] = 7 | (1 << 4); // sc5 low = 7, m5 low = 1
-        let qs: Vec<u8> = (0..128).map(|i| (i % 16) as u8 | (((i + 1) % 16) as u8) << 4).collect();
+        let qs: Vec<u8> = (0..128)
+            .map(|i| (i % 16) as u8 | (((i + 1) % 16) as u8) << 4)
+            .collect();
         let b = [h(0.5).as_slice(), &h(0.25), &scales, &qs].concat();
         let out = run(GgmlType::Q4_K, &b, 256);
         // Sub-block 0: low nibbles of bytes 0..31, scale 3*0.5, min 1*0.25.
@@ -390,7 +410,9 @@ mod tests {
     fn q6_k_block() {
         let ql = vec![0x53u8; 128]; // low nibble 3, high nibble 5
         let qh = vec![0b11_10_01_00u8; 64]; // 2-bit highs 0, 1, 2, 3
-        let scales: Vec<u8> = (1..=16).map(|s: i8| (if s % 2 == 0 { -s } else { s }) as u8).collect();
+        let scales: Vec<u8> = (1..=16)
+            .map(|s: i8| (if s % 2 == 0 { -s } else { s }) as u8)
+            .collect();
         let b = [ql.as_slice(), &qh, &scales, &h(0.5)].concat();
         let out = run(GgmlType::Q6_K, &b, 256);
         // element 0: q = 3 | 0<<4 = 3 -> -29, scale sc[0] = 1
@@ -439,7 +461,11 @@ mod tests {
     fn size_mismatch_and_unknown_type_are_errors() {
         assert!(dequantize(GgmlType::Q8_0, &[0u8; 33], &mut [0.0; 32]).is_err());
         assert!(dequantize(GgmlType::Q8_0, &[0u8; 34], &mut [0.0; 31]).is_err());
-        assert!(dequantize(GgmlType(15), &[0u8; 292], &mut [0.0; 256]).unwrap_err().contains("Q8_K"));
+        assert!(
+            dequantize(GgmlType(15), &[0u8; 292], &mut [0.0; 256])
+                .unwrap_err()
+                .contains("Q8_K")
+        );
     }
 
     #[test]

@@ -128,12 +128,19 @@ impl GgmlType {
             Self::Q6_K => (QK_K, 210),
             _ => return None,
         };
-        Some(BlockLayout { block_elems, block_bytes })
+        Some(BlockLayout {
+            block_elems,
+            block_bytes,
+        })
     }
 
     /// The list of convertible type names, for error messages.
     pub fn convertible_list() -> String {
-        Self::CONVERTIBLE.iter().filter_map(|t| t.name()).collect::<Vec<_>>().join(", ")
+        Self::CONVERTIBLE
+            .iter()
+            .filter_map(|t| t.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 

@@ -77,8 +77,14 @@ pub fn import_gguf(
     check_out_dir(out_dir)?;
     let staging = Staging::create(out_dir)?;
     let side_files = [
-        ("config.json", llama::config_json(&params, tied, opts.out_dtype)),
-        ("generation_config.json", llama::generation_config_json(&params)),
+        (
+            "config.json",
+            llama::config_json(&params, tied, opts.out_dtype),
+        ),
+        (
+            "generation_config.json",
+            llama::generation_config_json(&params),
+        ),
         ("tokenizer_config.json", tok.tokenizer_config),
     ];
     for (name, value) in side_files {
@@ -86,8 +92,19 @@ pub fn import_gguf(
             .map_err(|e| g.error(format!("serializing {name} failed: {e}")))?;
         write_file(&staging.path.join(name), text.as_bytes())?;
     }
-    write_file(&staging.path.join("tokenizer.json"), tok.tokenizer_json.as_bytes())?;
-    write_weights(&g, &plans, opts.out_dtype, &staging.path.join("model.safetensors"), progress)?;
+    write_file(
+        &staging.path.join("tokenizer.json"),
+        tok.tokenizer_json.as_bytes(),
+    )?;
+    let weights = staging.path.join("model.safetensors");
+    write_weights(&g, &plans, opts.out_dtype, &weights, progress)?;
+    // safetensors writes through a private temporary file; give the weights the same permissions
+    // as the other files (which follow the umask).
+    let perms = std::fs::metadata(staging.path.join("config.json"))
+        .map_err(|e| Error::io("reading config.json permissions", e))?
+        .permissions();
+    std::fs::set_permissions(&weights, perms)
+        .map_err(|e| Error::io("setting model.safetensors permissions", e))?;
     staging.finish(out_dir)?;
 
     Ok(ImportSummary {
@@ -103,7 +120,14 @@ fn plan_tensors(g: &GgufFile, p: &LlamaParams, dtype: OutDtype) -> Result<Vec<Pl
     let mut plans = Vec::with_capacity(g.tensors().len());
     let mut seen = HashSet::new();
     for (i, t) in g.tensors().iter().enumerate() {
-        let Mapping::Tensor { name, shape, permute } = llama::map_tensor(g, p, t)? else { continue };
+        let Mapping::Tensor {
+            name,
+            shape,
+            permute,
+        } = llama::map_tensor(g, p, t)?
+        else {
+            continue;
+        };
         if t.ggml_type.layout().is_none() {
             return Err(g.error(format!(
                 "tensor {} has type {} which tandem cannot convert (supported: {})",
@@ -117,9 +141,18 @@ fn plan_tensors(g: &GgufFile, p: &LlamaParams, dtype: OutDtype) -> Result<Vec<Pl
             .checked_mul(dtype.size())
             .ok_or_else(|| g.error(format!("tensor {} is too large", t.name)))?;
         seen.insert(name.clone());
-        plans.push(Plan { gguf_index: i, hf_name: name, shape, permute, out_bytes });
+        plans.push(Plan {
+            gguf_index: i,
+            hf_name: name,
+            shape,
+            permute,
+            out_bytes,
+        });
     }
-    let missing: Vec<String> = llama::required_names(p).into_iter().filter(|n| !seen.contains(n)).collect();
+    let missing: Vec<String> = llama::required_names(p)
+        .into_iter()
+        .filter(|n| !seen.contains(n))
+        .collect();
     if let Some(first) = missing.first() {
         return Err(g.error(format!(
             "the file lacks {} tensor(s) a {}-layer Llama needs, e.g. {first}",
@@ -136,7 +169,9 @@ fn check_out_dir(out_dir: &Path) -> Result<()> {
             if entries.next().is_some() {
                 return Err(Error::ModelDir {
                     path: out_dir.to_path_buf(),
-                    reason: "already exists and is not empty; remove it or choose another directory".into(),
+                    reason:
+                        "already exists and is not empty; remove it or choose another directory"
+                            .into(),
                 });
             }
             Ok(())
@@ -166,23 +201,34 @@ impl Staging {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        std::fs::create_dir_all(&parent).map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-        let base = out_dir.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+        std::fs::create_dir_all(&parent)
+            .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+        let base = out_dir
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let path = parent.join(format!(".{base}.tandem-import-{}-{stamp}", std::process::id()));
-        std::fs::create_dir(&path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        let path = parent.join(format!(
+            ".{base}.tandem-import-{}-{stamp}",
+            std::process::id()
+        ));
+        std::fs::create_dir(&path)
+            .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
         Ok(Self { path, done: false })
     }
 
     fn finish(mut self, out_dir: &Path) -> Result<()> {
         if out_dir.is_dir() {
             // Checked empty before we started; remove it so the rename can take its place.
-            std::fs::remove_dir(out_dir).map_err(|e| Error::io(format!("replacing {}", out_dir.display()), e))?;
+            std::fs::remove_dir(out_dir)
+                .map_err(|e| Error::io(format!("replacing {}", out_dir.display()), e))?;
         }
         std::fs::rename(&self.path, out_dir).map_err(|e| {
-            Error::io(format!("moving {} to {}", self.path.display(), out_dir.display()), e)
+            Error::io(
+                format!("moving {} to {}", self.path.display(), out_dir.display()),
+                e,
+            )
         })?;
         self.done = true;
         Ok(())
@@ -205,7 +251,13 @@ struct Producer<'a> {
     dtype: OutDtype,
     /// The first failure; later tensors are skipped and the import fails once writing ends.
     error: RefCell<Option<Error>>,
-    progress: RefCell<(ImportProgress, &'a mut dyn FnMut(&ImportProgress))>,
+    progress: RefCell<ProgressSink<'a>>,
+}
+
+/// The running totals and the caller's callback.
+struct ProgressSink<'a> {
+    state: ImportProgress,
+    callback: &'a mut dyn FnMut(&ImportProgress),
 }
 
 impl Producer<'_> {
@@ -215,8 +267,8 @@ impl Producer<'_> {
         }
         match self.convert(plan) {
             Ok(bytes) => {
-                let mut guard = self.progress.borrow_mut();
-                let (state, callback) = &mut *guard;
+                let mut sink = self.progress.borrow_mut();
+                let ProgressSink { state, callback } = &mut *sink;
                 state.tensors_done += 1;
                 state.bytes_done += plan.out_bytes as u64;
                 state.current.clone_from(&plan.hf_name);
@@ -232,10 +284,13 @@ impl Producer<'_> {
 
     fn convert(&self, plan: &Plan) -> Result<Vec<u8>> {
         let info = &self.g.tensors()[plan.gguf_index];
-        let raw = self.g.read_tensor_bytes(&mut self.file.borrow_mut(), info)?;
+        let raw = self
+            .g
+            .read_tensor_bytes(&mut self.file.borrow_mut(), info)?;
         let n: usize = plan.shape.iter().product();
         let mut values = vec![0f32; n];
-        dequantize(info.ggml_type, &raw, &mut values).map_err(|r| self.g.error(format!("tensor {}: {r}", info.name)))?;
+        dequantize(info.ggml_type, &raw, &mut values)
+            .map_err(|r| self.g.error(format!("tensor {}: {r}", info.name)))?;
         drop(raw);
         if let Permute::Heads(heads) = plan.permute {
             let cols = plan.shape.get(1).copied().unwrap_or(1);
@@ -243,8 +298,12 @@ impl Producer<'_> {
         }
         let mut out = Vec::with_capacity(plan.out_bytes);
         match self.dtype {
-            OutDtype::F32 => values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            OutDtype::Bf16 => values.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+            OutDtype::F32 => values
+                .iter()
+                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            OutDtype::Bf16 => values
+                .iter()
+                .for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
         }
         Ok(out)
     }
@@ -284,7 +343,8 @@ fn write_weights(
     path: &Path,
     progress: &mut dyn FnMut(&ImportProgress),
 ) -> Result<()> {
-    let file = File::open(g.path()).map_err(|e| Error::io(format!("opening {}", g.path().display()), e))?;
+    let file = File::open(g.path())
+        .map_err(|e| Error::io(format!("opening {}", g.path().display()), e))?;
     let start = ImportProgress {
         tensors_done: 0,
         tensors_total: plans.len(),
@@ -298,15 +358,29 @@ fn write_weights(
         file: RefCell::new(file),
         dtype,
         error: RefCell::new(None),
-        progress: RefCell::new((start, progress)),
+        progress: RefCell::new(ProgressSink {
+            state: start,
+            callback: progress,
+        }),
     };
-    let views = plans.iter().map(|plan| (plan.hf_name.clone(), LazyTensor { producer: &producer, plan }));
+    let views = plans.iter().map(|plan| {
+        (
+            plan.hf_name.clone(),
+            LazyTensor {
+                producer: &producer,
+                plan,
+            },
+        )
+    });
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let written = safetensors::serialize_to_file(views, Some(metadata), path);
     if let Some(e) = producer.error.borrow_mut().take() {
         return Err(e);
     }
-    written.map_err(|e| Error::Weights { path: path.to_path_buf(), reason: format!("writing failed: {e}") })
+    written.map_err(|e| Error::Weights {
+        path: path.to_path_buf(),
+        reason: format!("writing failed: {e}"),
+    })
 }
 
 #[cfg(test)]
@@ -351,14 +425,28 @@ mod tests {
         b.kv("llama.embedding_length", MetaValue::U32(HIDDEN as u32));
         b.kv("llama.feed_forward_length", MetaValue::U32(FFN as u32));
         b.kv("llama.attention.head_count", MetaValue::U32(HEADS as u32));
-        b.kv("llama.attention.head_count_kv", MetaValue::U32(KV_HEADS as u32));
+        b.kv(
+            "llama.attention.head_count_kv",
+            MetaValue::U32(KV_HEADS as u32),
+        );
         b.kv("llama.rope.freq_base", MetaValue::F32(100_000.0));
-        b.kv("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5));
-        b.kv("llama.rope.dimension_count", MetaValue::U32(HEAD_DIM as u32));
+        b.kv(
+            "llama.attention.layer_norm_rms_epsilon",
+            MetaValue::F32(1e-5),
+        );
+        b.kv(
+            "llama.rope.dimension_count",
+            MetaValue::U32(HEAD_DIM as u32),
+        );
         let tokens = tiny_tokenizer(&mut b, false, "smollm");
         let vocab = tokens.len();
         let mut expect = BTreeMap::new();
-        let mut add = |b: &mut GgufBuilder, gguf: &str, hf: &str, shape: Vec<usize>, enc: Enc, heads: Option<usize>| {
+        let mut add = |b: &mut GgufBuilder,
+                       gguf: &str,
+                       hf: &str,
+                       shape: Vec<usize>,
+                       enc: Enc,
+                       heads: Option<usize>| {
             let n: usize = shape.iter().product();
             let hf_values: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
             let cols = *shape.last().unwrap();
@@ -397,27 +485,115 @@ mod tests {
             };
             expect.insert(hf.to_string(), (shape, exact_hf));
         };
-        add(&mut b, "token_embd.weight", "model.embed_tokens.weight", vec![vocab, HIDDEN], Enc::Q8_0, None);
-        add(&mut b, "output_norm.weight", "model.norm.weight", vec![HIDDEN], Enc::F32, None);
+        add(
+            &mut b,
+            "token_embd.weight",
+            "model.embed_tokens.weight",
+            vec![vocab, HIDDEN],
+            Enc::Q8_0,
+            None,
+        );
+        add(
+            &mut b,
+            "output_norm.weight",
+            "model.norm.weight",
+            vec![HIDDEN],
+            Enc::F32,
+            None,
+        );
         if untied {
-            add(&mut b, "output.weight", "lm_head.weight", vec![vocab, HIDDEN], Enc::Q4_1, None);
+            add(
+                &mut b,
+                "output.weight",
+                "lm_head.weight",
+                vec![vocab, HIDDEN],
+                Enc::Q4_1,
+                None,
+            );
         }
         for l in 0..LAYERS {
             let layer = |p: &str| format!("blk.{l}.{p}.weight");
             let hf = |p: &str| format!("model.layers.{l}.{p}.weight");
             let q = HEADS * HEAD_DIM;
             let kv = KV_HEADS * HEAD_DIM;
-            add(&mut b, &layer("attn_norm"), &hf("input_layernorm"), vec![HIDDEN], Enc::F32, None);
-            add(&mut b, &layer("attn_q"), &hf("self_attn.q_proj"), vec![q, HIDDEN], Enc::Q4_1, Some(HEADS));
-            add(&mut b, &layer("attn_k"), &hf("self_attn.k_proj"), vec![kv, HIDDEN], Enc::Q8_0, Some(KV_HEADS));
-            add(&mut b, &layer("attn_v"), &hf("self_attn.v_proj"), vec![kv, HIDDEN], Enc::F32, None);
-            add(&mut b, &layer("attn_output"), &hf("self_attn.o_proj"), vec![HIDDEN, q], Enc::Q4_1, None);
-            add(&mut b, &layer("ffn_norm"), &hf("post_attention_layernorm"), vec![HIDDEN], Enc::F32, None);
-            add(&mut b, &layer("ffn_gate"), &hf("mlp.gate_proj"), vec![FFN, HIDDEN], Enc::Q8_0, None);
-            add(&mut b, &layer("ffn_up"), &hf("mlp.up_proj"), vec![FFN, HIDDEN], Enc::Q4_1, None);
-            add(&mut b, &layer("ffn_down"), &hf("mlp.down_proj"), vec![HIDDEN, FFN], Enc::Q8_0, None);
+            add(
+                &mut b,
+                &layer("attn_norm"),
+                &hf("input_layernorm"),
+                vec![HIDDEN],
+                Enc::F32,
+                None,
+            );
+            add(
+                &mut b,
+                &layer("attn_q"),
+                &hf("self_attn.q_proj"),
+                vec![q, HIDDEN],
+                Enc::Q4_1,
+                Some(HEADS),
+            );
+            add(
+                &mut b,
+                &layer("attn_k"),
+                &hf("self_attn.k_proj"),
+                vec![kv, HIDDEN],
+                Enc::Q8_0,
+                Some(KV_HEADS),
+            );
+            add(
+                &mut b,
+                &layer("attn_v"),
+                &hf("self_attn.v_proj"),
+                vec![kv, HIDDEN],
+                Enc::F32,
+                None,
+            );
+            add(
+                &mut b,
+                &layer("attn_output"),
+                &hf("self_attn.o_proj"),
+                vec![HIDDEN, q],
+                Enc::Q4_1,
+                None,
+            );
+            add(
+                &mut b,
+                &layer("ffn_norm"),
+                &hf("post_attention_layernorm"),
+                vec![HIDDEN],
+                Enc::F32,
+                None,
+            );
+            add(
+                &mut b,
+                &layer("ffn_gate"),
+                &hf("mlp.gate_proj"),
+                vec![FFN, HIDDEN],
+                Enc::Q8_0,
+                None,
+            );
+            add(
+                &mut b,
+                &layer("ffn_up"),
+                &hf("mlp.up_proj"),
+                vec![FFN, HIDDEN],
+                Enc::Q4_1,
+                None,
+            );
+            add(
+                &mut b,
+                &layer("ffn_down"),
+                &hf("mlp.down_proj"),
+                vec![HIDDEN, FFN],
+                Enc::Q8_0,
+                None,
+            );
         }
-        Synthetic { builder: b, expect, tokens }
+        Synthetic {
+            builder: b,
+            expect,
+            tokens,
+        }
     }
 
     fn write_gguf(dir: &Path, b: &GgufBuilder) -> PathBuf {
@@ -438,11 +614,18 @@ mod tests {
             let gguf = write_gguf(dir.path(), &s.builder);
             let out = dir.path().join("models").join("tiny");
             let mut reports = Vec::new();
-            let summary =
-                import_gguf(&gguf, &out, &ImportOptions::default(), &mut |p| reports.push(p.clone())).unwrap();
+            let summary = import_gguf(&gguf, &out, &ImportOptions::default(), &mut |p| {
+                reports.push(p.clone())
+            })
+            .unwrap();
             assert_eq!(summary.architecture, "llama");
             assert_eq!(summary.num_tensors, s.expect.len());
-            let f32_count = summary.tensor_types.iter().find(|(t, _)| t == "F32").unwrap().1;
+            let f32_count = summary
+                .tensor_types
+                .iter()
+                .find(|(t, _)| t == "F32")
+                .unwrap()
+                .1;
             assert_eq!(f32_count, 1 + LAYERS * 3);
 
             // Progress: starts at zero, counts every tensor once, ends complete.
@@ -451,7 +634,11 @@ mod tests {
             assert_eq!(last.tensors_done, s.expect.len());
             assert_eq!(last.tensors_total, s.expect.len());
             assert_eq!(last.bytes_done, last.bytes_total);
-            assert!(reports.windows(2).all(|w| w[1].bytes_done > w[0].bytes_done));
+            assert!(
+                reports
+                    .windows(2)
+                    .all(|w| w[1].bytes_done > w[0].bytes_done)
+            );
 
             // Weights: exactly the expected names, shapes and values.
             let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
@@ -463,8 +650,11 @@ mod tests {
                 let t = st.tensor(name).unwrap();
                 assert_eq!(t.dtype(), Dtype::F32, "{name}");
                 assert_eq!(t.shape(), shape.as_slice(), "{name}");
-                let got: Vec<f32> =
-                    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+                let got: Vec<f32> = t
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
                 assert_eq!(&got, values, "{name}");
             }
 
@@ -481,8 +671,11 @@ mod tests {
             assert_eq!(c["bos_token_id"], 1);
             assert_eq!(c["eos_token_id"], 2);
             assert_eq!(c["torch_dtype"], "float32");
-            assert!((c["rms_norm_eps"].as_f64().unwrap() - 1e-5).abs() < 1e-9);
-            assert_eq!(read_json(&out.join("generation_config.json"))["eos_token_id"], 2);
+            assert_eq!(c["rms_norm_eps"], 1e-5);
+            assert_eq!(
+                read_json(&out.join("generation_config.json"))["eos_token_id"],
+                2
+            );
 
             // Tokenizer files.
             let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
@@ -491,7 +684,12 @@ mod tests {
             assert_eq!(enc.get_ids(), &[1, id("Hello"), id("Ġworld")]);
             let tc = read_json(&out.join("tokenizer_config.json"));
             assert_eq!(tc["bos_token"], "<|im_start|>");
-            assert!(tc["chat_template"].as_str().unwrap().contains("<|im_start|>"));
+            assert!(
+                tc["chat_template"]
+                    .as_str()
+                    .unwrap()
+                    .contains("<|im_start|>")
+            );
 
             // Nothing else was left beside the output.
             let leftovers: Vec<_> = std::fs::read_dir(out.parent().unwrap()).unwrap().collect();
@@ -505,16 +703,34 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let gguf = write_gguf(dir.path(), &s.builder);
         let out = dir.path().join("bf");
-        import_gguf(&gguf, &out, &ImportOptions { out_dtype: OutDtype::Bf16 }, &mut |_| {}).unwrap();
+        import_gguf(
+            &gguf,
+            &out,
+            &ImportOptions {
+                out_dtype: OutDtype::Bf16,
+            },
+            &mut |_| {},
+        )
+        .unwrap();
         let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let (_, values) = &s.expect["model.layers.1.self_attn.q_proj.weight"];
         let t = st.tensor("model.layers.1.self_attn.q_proj.weight").unwrap();
         assert_eq!(t.dtype(), Dtype::BF16);
-        let got: Vec<u16> = t.data().chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-        let want: Vec<u16> = values.iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
+        let got: Vec<u16> = t
+            .data()
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let want: Vec<u16> = values
+            .iter()
+            .map(|v| bf16::from_f32(*v).to_bits())
+            .collect();
         assert_eq!(got, want);
-        assert_eq!(read_json(&out.join("config.json"))["torch_dtype"], "bfloat16");
+        assert_eq!(
+            read_json(&out.join("config.json"))["torch_dtype"],
+            "bfloat16"
+        );
     }
 
     fn import_err(b: &GgufBuilder) -> (String, tempfile::TempDir) {
@@ -522,19 +738,36 @@ mod tests {
         let gguf = write_gguf(dir.path(), b);
         let out = dir.path().join("out");
         let err = import_gguf(&gguf, &out, &ImportOptions::default(), &mut |_| {}).unwrap_err();
-        assert!(!out.exists(), "a failed import must not leave the output directory");
-        let names: Vec<String> =
-            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
-        assert_eq!(names, vec!["model.gguf".to_string()], "no temporary directory may be left");
+        assert!(
+            !out.exists(),
+            "a failed import must not leave the output directory"
+        );
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into())
+            .collect();
+        assert_eq!(
+            names,
+            vec!["model.gguf".to_string()],
+            "no temporary directory may be left"
+        );
         (err.to_string(), dir)
     }
 
     #[test]
     fn unsupported_type_fails_before_writing_and_names_the_tensor() {
         let mut s = synthetic(5, false);
-        s.builder.tensor(TestTensor::raw("blk.1.attn_q_extra.weight", &[64], 0, vec![0; 256]));
+        s.builder.tensor(TestTensor::raw(
+            "blk.1.attn_q_extra.weight",
+            &[64],
+            0,
+            vec![0; 256],
+        ));
         let (err, _d) = import_err(&s.builder);
-        assert!(err.contains("blk.1.attn_q_extra.weight has no Hugging Face Llama counterpart"), "{err}");
+        assert!(
+            err.contains("blk.1.attn_q_extra.weight has no Hugging Face Llama counterpart"),
+            "{err}"
+        );
 
         // Rebuild with one layer tensor stored as IQ2_XXS (type 16), which tandem cannot convert.
         let s = synthetic(5, false);
@@ -542,13 +775,21 @@ mod tests {
         b.copy_kvs_from(&s.builder);
         for t in s.builder.tensors() {
             if t.name == "blk.0.ffn_up.weight" {
-                b.tensor(TestTensor::raw(&t.name, &t.dims, 16, vec![0; 66 * FFN * HIDDEN / 256]));
+                b.tensor(TestTensor::raw(
+                    &t.name,
+                    &t.dims,
+                    16,
+                    vec![0; 66 * FFN * HIDDEN / 256],
+                ));
             } else {
                 b.tensor(TestTensor::raw(&t.name, &t.dims, t.type_id, t.data.clone()));
             }
         }
         let (err, _d) = import_err(&b);
-        assert!(err.contains("tensor blk.0.ffn_up.weight has type IQ2_XXS which tandem cannot convert"), "{err}");
+        assert!(
+            err.contains("tensor blk.0.ffn_up.weight has type IQ2_XXS which tandem cannot convert"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -568,10 +809,16 @@ mod tests {
             b
         };
         let (err, _d) = import_err(&rebuild("blk.1.ffn_norm.weight", None));
-        assert!(err.contains("model.layers.1.post_attention_layernorm.weight"), "{err}");
+        assert!(
+            err.contains("model.layers.1.post_attention_layernorm.weight"),
+            "{err}"
+        );
         let wrong = TestTensor::f32("blk.1.ffn_norm.weight", &[32], &[0.0; 32]);
         let (err, _d) = import_err(&rebuild("blk.1.ffn_norm.weight", Some(wrong)));
-        assert!(err.contains("blk.1.ffn_norm.weight has shape [32]"), "{err}");
+        assert!(
+            err.contains("blk.1.ffn_norm.weight has shape [32]"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -584,7 +831,10 @@ mod tests {
         std::fs::write(out.join("keep.txt"), "mine").unwrap();
         let err = import_gguf(&gguf, &out, &ImportOptions::default(), &mut |_| {}).unwrap_err();
         assert!(err.to_string().contains("not empty"), "{err}");
-        assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "mine");
+        assert_eq!(
+            std::fs::read_to_string(out.join("keep.txt")).unwrap(),
+            "mine"
+        );
         // An empty directory is fine.
         let empty = dir.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
@@ -597,21 +847,31 @@ mod tests {
         let mut b = GgufBuilder::new(3);
         b.kv("general.architecture", MetaValue::Str("mamba".into()));
         let (err, _d) = import_err(&b);
-        assert!(err.contains("architecture \"mamba\" is not supported"), "{err}");
+        assert!(
+            err.contains("architecture \"mamba\" is not supported"),
+            "{err}"
+        );
     }
 
     /// Imports the real SmolLM2 GGUF when `TANDEM_TEST_GGUF` points at it.
     #[test]
     fn imports_the_real_smollm2_gguf() {
         let Some(path) = std::env::var_os("TANDEM_TEST_GGUF") else {
-            eprintln!("skipping: set TANDEM_TEST_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf to run this test");
+            eprintln!(
+                "skipping: set TANDEM_TEST_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf to run this test"
+            );
             return;
         };
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("smollm2");
         let mut last = None;
-        let summary =
-            import_gguf(Path::new(&path), &out, &ImportOptions::default(), &mut |p| last = Some(p.clone())).unwrap();
+        let summary = import_gguf(
+            Path::new(&path),
+            &out,
+            &ImportOptions::default(),
+            &mut |p| last = Some(p.clone()),
+        )
+        .unwrap();
         assert_eq!(summary.architecture, "llama");
         assert_eq!(last.unwrap().tensors_done, summary.num_tensors);
         let c = read_json(&out.join("config.json"));
@@ -625,15 +885,35 @@ mod tests {
         let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for l in 0..30 {
-            for part in ["self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj", "input_layernorm"] {
-                assert!(st.tensor(&format!("model.layers.{l}.{part}.weight")).is_ok(), "layer {l} {part}");
+            for part in [
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "mlp.down_proj",
+                "input_layernorm",
+            ] {
+                assert!(
+                    st.tensor(&format!("model.layers.{l}.{part}.weight"))
+                        .is_ok(),
+                    "layer {l} {part}"
+                );
             }
         }
-        assert_eq!(st.tensor("model.layers.0.self_attn.k_proj.weight").unwrap().shape(), &[192, 576]);
-        assert_eq!(st.tensor("model.embed_tokens.weight").unwrap().shape(), &[49152, 576]);
+        assert_eq!(
+            st.tensor("model.layers.0.self_attn.k_proj.weight")
+                .unwrap()
+                .shape(),
+            &[192, 576]
+        );
+        assert_eq!(
+            st.tensor("model.embed_tokens.weight").unwrap().shape(),
+            &[49152, 576]
+        );
         let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
         // The ids transformers' GGUF tokenizer gives for this text.
-        assert_eq!(tok.encode("Hello, world!", false).unwrap().get_ids(), &[19556, 28, 905, 17]);
+        assert_eq!(
+            tok.encode("Hello, world!", false).unwrap().get_ids(),
+            &[19556, 28, 905, 17]
+        );
         let chat = "<|im_start|>user\nHi<|im_end|>";
         let ids = tok.encode(chat, false).unwrap().get_ids().to_vec();
         assert_eq!(ids.first(), Some(&1));
@@ -641,7 +921,14 @@ mod tests {
         assert_eq!(tok.decode(&ids, false).unwrap(), chat);
         let tc = read_json(&out.join("tokenizer_config.json"));
         assert_eq!(tc["eos_token"], "<|im_end|>");
-        assert!(tc["chat_template"].as_str().unwrap().contains("<|im_start|>"));
-        let _ = tokenizers::Tokenizer::from_str(&std::fs::read_to_string(out.join("tokenizer.json")).unwrap());
+        assert!(
+            tc["chat_template"]
+                .as_str()
+                .unwrap()
+                .contains("<|im_start|>")
+        );
+        let _ = tokenizers::Tokenizer::from_str(
+            &std::fs::read_to_string(out.join("tokenizer.json")).unwrap(),
+        );
     }
 }

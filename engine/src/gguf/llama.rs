@@ -38,7 +38,9 @@ pub(crate) struct LlamaParams {
 }
 
 fn req_usize(g: &GgufFile, key: &str) -> Result<usize> {
-    let v = g.get(key).ok_or_else(|| g.error(format!("metadata {key} is missing")))?;
+    let v = g
+        .get(key)
+        .ok_or_else(|| g.error(format!("metadata {key} is missing")))?;
     v.as_u64()
         .and_then(|v| usize::try_from(v).ok())
         .filter(|&v| v > 0)
@@ -55,6 +57,9 @@ fn opt_usize(g: &GgufFile, key: &str) -> Result<Option<usize>> {
 fn opt_f64(g: &GgufFile, key: &str) -> Result<Option<f64>> {
     match g.get(key) {
         None => Ok(None),
+        // An f32 is widened through its shortest decimal form, so 1e-5 stored as f32 reads as 1e-5
+        // rather than 9.999999747378752e-6.
+        Some(MetaValue::F32(f)) if f.is_finite() => Ok(f.to_string().parse::<f64>().ok()),
         Some(v) => v
             .as_f64()
             .filter(|f| f.is_finite())
@@ -81,7 +86,9 @@ impl LlamaParams {
         if let Some(v) = opt_usize(g, "llama.attention.value_length")?
             && v != head_dim
         {
-            return Err(g.error(format!("value head size {v} differs from key head size {head_dim}")));
+            return Err(g.error(format!(
+                "value head size {v} differs from key head size {head_dim}"
+            )));
         }
         if let Some(rot) = opt_usize(g, "llama.rope.dimension_count")?
             && rot != head_dim
@@ -91,7 +98,9 @@ impl LlamaParams {
             )));
         }
         if head_dim % 2 != 0 {
-            return Err(g.error(format!("head size {head_dim} is odd; rotary embeddings need it even")));
+            return Err(g.error(format!(
+                "head size {head_dim} is odd; rotary embeddings need it even"
+            )));
         }
         if n_heads % n_kv_heads != 0 {
             return Err(g.error(format!(
@@ -103,7 +112,9 @@ impl LlamaParams {
             None => match g.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array) {
                 Some(tokens) if !tokens.is_empty() => tokens.len(),
                 _ => match g.tensor("token_embd.weight").and_then(|t| t.dims.get(1)) {
-                    Some(&v) => usize::try_from(v).map_err(|_| g.error("vocabulary size overflows"))?,
+                    Some(&v) => {
+                        usize::try_from(v).map_err(|_| g.error("vocabulary size overflows"))?
+                    }
                     None => return Err(g.error("cannot tell the vocabulary size")),
                 },
             },
@@ -132,16 +143,21 @@ impl LlamaParams {
 fn rope_scaling(g: &GgufFile) -> Result<Option<Value>> {
     let kind = match g.get("llama.rope.scaling.type") {
         None => return Ok(None),
-        Some(v) => v.as_str().ok_or_else(|| g.error("metadata llama.rope.scaling.type is not a string"))?,
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| g.error("metadata llama.rope.scaling.type is not a string"))?,
     };
     if kind == "none" {
         return Ok(None);
     }
     if kind != "linear" && kind != "yarn" {
-        return Err(g.error(format!("rope scaling type {kind:?} is not supported (linear, yarn)")));
+        return Err(g.error(format!(
+            "rope scaling type {kind:?} is not supported (linear, yarn)"
+        )));
     }
-    let factor = opt_f64(g, "llama.rope.scaling.factor")?
-        .ok_or_else(|| g.error("llama.rope.scaling.type is set but llama.rope.scaling.factor is missing"))?;
+    let factor = opt_f64(g, "llama.rope.scaling.factor")?.ok_or_else(|| {
+        g.error("llama.rope.scaling.type is set but llama.rope.scaling.factor is missing")
+    })?;
     let mut v = json!({ "rope_type": kind, "type": kind, "factor": factor });
     if let Some(orig) = opt_usize(g, "llama.rope.scaling.original_context_length")? {
         v["original_max_position_embeddings"] = json!(orig);
@@ -162,7 +178,11 @@ pub(crate) enum Permute {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Mapping {
     /// Written under `name` with `shape` (HF order, outermost first).
-    Tensor { name: String, shape: Vec<usize>, permute: Permute },
+    Tensor {
+        name: String,
+        shape: Vec<usize>,
+        permute: Permute,
+    },
     /// Not written: HF recomputes it from the config.
     Skip,
 }
@@ -172,25 +192,60 @@ pub(crate) fn map_tensor(g: &GgufFile, p: &LlamaParams, t: &TensorInfo) -> Resul
     let (hd, h, kv) = (p.head_dim, p.hidden, p.n_kv_heads);
     let (name, expect, permute): (String, Vec<usize>, Permute) = match t.name.as_str() {
         "rope_freqs.weight" => return Ok(Mapping::Skip),
-        "token_embd.weight" => ("model.embed_tokens.weight".into(), vec![p.vocab_size, h], Permute::None),
+        "token_embd.weight" => (
+            "model.embed_tokens.weight".into(),
+            vec![p.vocab_size, h],
+            Permute::None,
+        ),
         "output_norm.weight" => ("model.norm.weight".into(), vec![h], Permute::None),
-        "output.weight" => ("lm_head.weight".into(), vec![p.vocab_size, h], Permute::None),
+        "output.weight" => (
+            "lm_head.weight".into(),
+            vec![p.vocab_size, h],
+            Permute::None,
+        ),
         other => {
-            let unknown = || g.error(format!("tensor {other} has no Hugging Face Llama counterpart"));
+            let unknown = || {
+                g.error(format!(
+                    "tensor {other} has no Hugging Face Llama counterpart"
+                ))
+            };
             let rest = other.strip_prefix("blk.").ok_or_else(unknown)?;
             let (layer, part) = rest.split_once('.').ok_or_else(unknown)?;
             let layer: usize = layer.parse().map_err(|_| unknown())?;
             if layer >= p.n_layers {
-                return Err(g.error(format!("tensor {other} is for layer {layer} but the model has {} layers", p.n_layers)));
+                return Err(g.error(format!(
+                    "tensor {other} is for layer {layer} but the model has {} layers",
+                    p.n_layers
+                )));
             }
             let (hf, shape, permute) = match part {
-                "attn_q.weight" => ("self_attn.q_proj.weight", vec![p.n_heads * hd, h], Permute::Heads(p.n_heads)),
-                "attn_k.weight" => ("self_attn.k_proj.weight", vec![kv * hd, h], Permute::Heads(kv)),
+                "attn_q.weight" => (
+                    "self_attn.q_proj.weight",
+                    vec![p.n_heads * hd, h],
+                    Permute::Heads(p.n_heads),
+                ),
+                "attn_k.weight" => (
+                    "self_attn.k_proj.weight",
+                    vec![kv * hd, h],
+                    Permute::Heads(kv),
+                ),
                 "attn_v.weight" => ("self_attn.v_proj.weight", vec![kv * hd, h], Permute::None),
-                "attn_output.weight" => ("self_attn.o_proj.weight", vec![h, p.n_heads * hd], Permute::None),
-                "ffn_gate.weight" => ("mlp.gate_proj.weight", vec![p.intermediate, h], Permute::None),
+                "attn_output.weight" => (
+                    "self_attn.o_proj.weight",
+                    vec![h, p.n_heads * hd],
+                    Permute::None,
+                ),
+                "ffn_gate.weight" => (
+                    "mlp.gate_proj.weight",
+                    vec![p.intermediate, h],
+                    Permute::None,
+                ),
                 "ffn_up.weight" => ("mlp.up_proj.weight", vec![p.intermediate, h], Permute::None),
-                "ffn_down.weight" => ("mlp.down_proj.weight", vec![h, p.intermediate], Permute::None),
+                "ffn_down.weight" => (
+                    "mlp.down_proj.weight",
+                    vec![h, p.intermediate],
+                    Permute::None,
+                ),
                 "attn_norm.weight" => ("input_layernorm.weight", vec![h], Permute::None),
                 "ffn_norm.weight" => ("post_attention_layernorm.weight", vec![h], Permute::None),
                 _ => return Err(unknown()),
@@ -205,13 +260,20 @@ pub(crate) fn map_tensor(g: &GgufFile, p: &LlamaParams, t: &TensorInfo) -> Resul
             t.name
         )));
     }
-    Ok(Mapping::Tensor { name, shape, permute })
+    Ok(Mapping::Tensor {
+        name,
+        shape,
+        permute,
+    })
 }
 
 /// The HF tensor names a complete Llama import must contain (without `lm_head.weight`, which a
 /// tied model lacks).
 pub(crate) fn required_names(p: &LlamaParams) -> Vec<String> {
-    let mut names = vec!["model.embed_tokens.weight".to_string(), "model.norm.weight".to_string()];
+    let mut names = vec![
+        "model.embed_tokens.weight".to_string(),
+        "model.norm.weight".to_string(),
+    ];
     for l in 0..p.n_layers {
         for part in [
             "self_attn.q_proj.weight",
@@ -246,7 +308,8 @@ pub(crate) fn unpermute_rows(gguf: &[f32], n_heads: usize, cols: usize) -> Vec<f
             for i in 0..half {
                 let src = h * head_dim + 2 * i + j;
                 let dst = h * head_dim + j * half + i;
-                hf[dst * cols..(dst + 1) * cols].copy_from_slice(&gguf[src * cols..(src + 1) * cols]);
+                hf[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&gguf[src * cols..(src + 1) * cols]);
             }
         }
     }
@@ -314,10 +377,15 @@ mod tests {
     fn unpermute_inverts_llama_cpp_permutation() {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
         for (n_heads, head_dim, cols) in [(1, 2, 1), (3, 4, 5), (9, 64, 3), (2, 8, 7)] {
-            let hf: Vec<f32> = (0..n_heads * head_dim * cols).map(|_| rng.random::<f32>()).collect();
+            let hf: Vec<f32> = (0..n_heads * head_dim * cols)
+                .map(|_| rng.random::<f32>())
+                .collect();
             let gguf = permute_forward(&hf, n_heads, cols);
             if head_dim > 2 {
-                assert_ne!(gguf, hf, "the permutation must move rows ({n_heads}, {head_dim})");
+                assert_ne!(
+                    gguf, hf,
+                    "the permutation must move rows ({n_heads}, {head_dim})"
+                );
             } else {
                 assert_eq!(gguf, hf, "with head_dim 2 the permutation is the identity");
             }
@@ -334,6 +402,9 @@ mod tests {
         assert_eq!(hf, vec![0.0, 2.0, 4.0, 6.0, 1.0, 3.0, 5.0, 7.0]);
         // Two heads: each is permuted on its own.
         let gguf: Vec<f32> = (0..8).map(|r| r as f32).collect();
-        assert_eq!(unpermute_rows(&gguf, 2, 1), vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
+        assert_eq!(
+            unpermute_rows(&gguf, 2, 1),
+            vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]
+        );
     }
 }

@@ -163,7 +163,7 @@ impl TensorInfo {
         let layout = self.ggml_type.layout()?;
         let row = *self.dims.first().unwrap_or(&1);
         let block = layout.block_elems as u64;
-        if row % block != 0 {
+        if !row.is_multiple_of(block) {
             return None;
         }
         (self.n_elements() / block).checked_mul(layout.block_bytes as u64)
@@ -185,12 +185,18 @@ pub struct GgufFile {
 impl GgufFile {
     /// Opens and parses `path`. Fails with [`Error::Gguf`] on anything malformed.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let file =
+            File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
         let file_size = file
             .metadata()
             .map_err(|e| Error::io(format!("reading the size of {}", path.display()), e))?
             .len();
-        let mut r = Bounded { inner: BufReader::new(file), pos: 0, len: file_size, path };
+        let mut r = Bounded {
+            inner: BufReader::new(file),
+            pos: 0,
+            len: file_size,
+            path,
+        };
         let parsed = parse(&mut r)?;
         let gguf = GgufFile {
             path: path.to_path_buf(),
@@ -247,7 +253,10 @@ impl GgufFile {
 
     /// An error about this file.
     pub fn error(&self, reason: impl Into<String>) -> Error {
-        Error::Gguf { path: self.path.clone(), reason: reason.into() }
+        Error::Gguf {
+            path: self.path.clone(),
+            reason: reason.into(),
+        }
     }
 
     /// Reads the raw bytes of `info` from `file` (an open handle on this GGUF). The type must be
@@ -255,12 +264,21 @@ impl GgufFile {
     pub fn read_tensor_bytes(&self, file: &mut File, info: &TensorInfo) -> Result<Vec<u8>> {
         let len = self.checked_extent(info)?;
         let start = self.data_offset + info.offset;
-        let len_usize = usize::try_from(len)
-            .map_err(|_| self.error(format!("tensor {} is too large for this machine", info.name)))?;
+        let len_usize = usize::try_from(len).map_err(|_| {
+            self.error(format!(
+                "tensor {} is too large for this machine",
+                info.name
+            ))
+        })?;
         let mut buf = vec![0u8; len_usize];
         file.seek(SeekFrom::Start(start))
             .and_then(|_| file.read_exact(&mut buf))
-            .map_err(|e| Error::io(format!("reading tensor {} from {}", info.name, self.path.display()), e))?;
+            .map_err(|e| {
+                Error::io(
+                    format!("reading tensor {} from {}", info.name, self.path.display()),
+                    e,
+                )
+            })?;
         Ok(buf)
     }
 
@@ -282,7 +300,10 @@ impl GgufFile {
                 info.dims.first().copied().unwrap_or(1)
             ))
         })?;
-        let end = self.data_offset.checked_add(info.offset).and_then(|s| s.checked_add(len));
+        let end = self
+            .data_offset
+            .checked_add(info.offset)
+            .and_then(|s| s.checked_add(len));
         match end {
             Some(end) if end <= self.file_size => Ok(len),
             _ => Err(self.error(format!(
@@ -327,7 +348,10 @@ struct Bounded<'p, R> {
 
 impl<R: Read> Bounded<'_, R> {
     fn error(&self, reason: impl Into<String>) -> Error {
-        Error::Gguf { path: self.path.to_path_buf(), reason: reason.into() }
+        Error::Gguf {
+            path: self.path.to_path_buf(),
+            reason: reason.into(),
+        }
     }
 
     fn remaining(&self) -> u64 {
@@ -401,7 +425,11 @@ impl<R: Read> Bounded<'_, R> {
             7 => match self.u8(key)? {
                 0 => MetaValue::Bool(false),
                 1 => MetaValue::Bool(true),
-                b => return Err(self.error(format!("metadata {key}: bool byte {b} is neither 0 nor 1"))),
+                b => {
+                    return Err(
+                        self.error(format!("metadata {key}: bool byte {b} is neither 0 nor 1"))
+                    );
+                }
             },
             8 => MetaValue::Str(self.string(&format!("metadata {key}"))?),
             9 => {
@@ -411,8 +439,11 @@ impl<R: Read> Bounded<'_, R> {
                     )));
                 }
                 let elem_type = self.u32(key)?;
-                let min_each = min_value_size(elem_type)
-                    .ok_or_else(|| self.error(format!("metadata {key}: unknown array element type {elem_type}")))?;
+                let min_each = min_value_size(elem_type).ok_or_else(|| {
+                    self.error(format!(
+                        "metadata {key}: unknown array element type {elem_type}"
+                    ))
+                })?;
                 let n = self.u64(key)?;
                 let n = self.count(n, min_each, &format!("metadata {key} array"))?;
                 let mut items = Vec::with_capacity(n);
@@ -434,9 +465,9 @@ fn min_value_size(type_id: u32) -> Option<u64> {
     Some(match type_id {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
-        4 | 5 | 6 => 4,
-        8 => 8,      // u64 length
-        9 => 4 + 8,  // element type + count
+        4..=6 => 4,
+        8 => 8,     // u64 length
+        9 => 4 + 8, // element type + count
         10..=12 => 8,
         _ => return None,
     })
@@ -445,14 +476,18 @@ fn min_value_size(type_id: u32) -> Option<u64> {
 fn parse<R: Read>(r: &mut Bounded<'_, R>) -> Result<Parsed> {
     let magic: [u8; 4] = r.array("the magic number")?;
     if magic != GGUF_MAGIC {
-        return Err(r.error(format!("bad magic {magic:02x?}: not a GGUF file (expected \"GGUF\")")));
+        return Err(r.error(format!(
+            "bad magic {magic:02x?}: not a GGUF file (expected \"GGUF\")"
+        )));
     }
     let version = r.u32("the version")?;
     if version == 0x0300_0000 || version == 0x0200_0000 {
         return Err(r.error("big-endian GGUF files are not supported"));
     }
     if version != 2 && version != 3 {
-        return Err(r.error(format!("GGUF version {version} is not supported (tandem reads versions 2 and 3)")));
+        return Err(r.error(format!(
+            "GGUF version {version} is not supported (tandem reads versions 2 and 3)"
+        )));
     }
     let n_tensors = r.u64("the tensor count")?;
     let n_kv = r.u64("the metadata count")?;
@@ -475,7 +510,9 @@ fn parse<R: Read>(r: &mut Bounded<'_, R>) -> Result<Parsed> {
         let name = r.string("a tensor name")?;
         let n_dims = r.u32(&format!("tensor {name} dimension count"))?;
         if n_dims == 0 || n_dims as usize > MAX_DIMS {
-            return Err(r.error(format!("tensor {name} has {n_dims} dimensions (GGML allows 1 to {MAX_DIMS})")));
+            return Err(r.error(format!(
+                "tensor {name} has {n_dims} dimensions (GGML allows 1 to {MAX_DIMS})"
+            )));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -490,7 +527,12 @@ fn parse<R: Read>(r: &mut Bounded<'_, R>) -> Result<Parsed> {
         if !names.insert(name.clone()) {
             return Err(r.error(format!("tensor {name} appears twice")));
         }
-        tensors.push(TensorInfo { name, dims, ggml_type, offset });
+        tensors.push(TensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+        });
     }
     let alignment = match metadata.get("general.alignment") {
         None => DEFAULT_ALIGNMENT,
@@ -500,7 +542,13 @@ fn parse<R: Read>(r: &mut Bounded<'_, R>) -> Result<Parsed> {
         },
     };
     let data_offset = r.pos.div_ceil(alignment) * alignment;
-    Ok(Parsed { version, metadata, tensors, alignment, data_offset })
+    Ok(Parsed {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_offset,
+    })
 }
 
 #[cfg(test)]
@@ -536,8 +584,18 @@ mod tests {
                 MetaValue::Array(vec![]),
             ]),
         );
-        b.kv("some.strings", MetaValue::Array(vec![MetaValue::Str("a b".into()), MetaValue::Str("ĠT".into())]));
-        b.tensor(TestTensor::f32("w", &[3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
+        b.kv(
+            "some.strings",
+            MetaValue::Array(vec![
+                MetaValue::Str("a b".into()),
+                MetaValue::Str("ĠT".into()),
+            ]),
+        );
+        b.tensor(TestTensor::f32(
+            "w",
+            &[3, 2],
+            &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        ));
         b.tensor(TestTensor::f32("v", &[5], &[9.0; 5]));
         b
     }
@@ -550,15 +608,24 @@ mod tests {
             let (_d, path) = write(&b.build());
             let g = GgufFile::open(&path).unwrap();
             assert_eq!(g.version(), version);
-            assert_eq!(g.get("general.architecture").unwrap().as_str(), Some("llama"));
+            assert_eq!(
+                g.get("general.architecture").unwrap().as_str(),
+                Some("llama")
+            );
             assert_eq!(g.get("some.u8").unwrap().as_u64(), Some(7));
             assert_eq!(g.get("some.i64").unwrap().as_i64(), Some(-5));
             assert_eq!(g.get("some.i64").unwrap().as_u64(), None);
             assert_eq!(g.get("some.f64").unwrap().as_f64(), Some(0.25));
             assert_eq!(g.get("some.bool").unwrap().as_bool(), Some(true));
             let nested = g.get("some.nested").unwrap().as_array().unwrap();
-            assert_eq!(nested[0], MetaValue::Array(vec![MetaValue::I16(-1), MetaValue::I16(2)]));
-            assert_eq!(g.get("some.strings").unwrap().as_array().unwrap()[1].as_str(), Some("ĠT"));
+            assert_eq!(
+                nested[0],
+                MetaValue::Array(vec![MetaValue::I16(-1), MetaValue::I16(2)])
+            );
+            assert_eq!(
+                g.get("some.strings").unwrap().as_array().unwrap()[1].as_str(),
+                Some("ĠT")
+            );
             let w = g.tensor("w").unwrap();
             assert_eq!(w.dims, vec![3, 2]);
             assert_eq!(w.ggml_type, GgmlType::F32);
@@ -656,20 +723,31 @@ mod tests {
         b.override_offset("big", 1 << 20);
         let (_d, path) = write(&b.build());
         let r = reason(GgufFile::open(&path).unwrap_err());
-        assert!(r.contains("tensor big") && r.contains("past the end"), "{r}");
+        assert!(
+            r.contains("tensor big") && r.contains("past the end"),
+            "{r}"
+        );
     }
 
     #[test]
     fn unsupported_type_is_kept_then_named() {
         let mut b = sample();
         // Q8_K (type 15) is a real GGML type that tandem does not convert.
-        b.tensor(TestTensor::raw("blk.0.attn_q.weight", &[256, 1], 15, vec![0u8; 292]));
+        b.tensor(TestTensor::raw(
+            "blk.0.attn_q.weight",
+            &[256, 1],
+            15,
+            vec![0u8; 292],
+        ));
         let (_d, path) = write(&b.build());
         let g = GgufFile::open(&path).unwrap();
         let t = g.tensor("blk.0.attn_q.weight").unwrap().clone();
         let mut f = File::open(&path).unwrap();
         let r = reason(g.read_tensor_bytes(&mut f, &t).unwrap_err());
-        assert!(r.contains("blk.0.attn_q.weight has type Q8_K which tandem cannot convert"), "{r}");
+        assert!(
+            r.contains("blk.0.attn_q.weight has type Q8_K which tandem cannot convert"),
+            "{r}"
+        );
         assert!(r.contains("supported: F32, F16, BF16"), "{r}");
     }
 
@@ -692,8 +770,15 @@ mod tests {
         assert!(reason(GgufFile::open(&path).unwrap_err()).contains("general.alignment"));
         // Row not a whole number of blocks.
         let mut b = sample();
-        b.tensor(TestTensor::raw("q", &[16, 1], GgmlType::Q8_0.0, vec![0u8; 34]));
+        b.tensor(TestTensor::raw(
+            "q",
+            &[16, 1],
+            GgmlType::Q8_0.0,
+            vec![0u8; 34],
+        ));
         let (_d, path) = write(&b.build());
-        assert!(reason(GgufFile::open(&path).unwrap_err()).contains("not a whole number of blocks"));
+        assert!(
+            reason(GgufFile::open(&path).unwrap_err()).contains("not a whole number of blocks")
+        );
     }
 }

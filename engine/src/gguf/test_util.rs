@@ -23,12 +23,22 @@ impl TestTensor {
     /// An F32 tensor; `dims` innermost first.
     pub(crate) fn f32(name: &str, dims: &[u64], values: &[f32]) -> Self {
         assert_eq!(dims.iter().product::<u64>() as usize, values.len());
-        Self::raw(name, dims, GgmlType::F32.0, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        Self::raw(
+            name,
+            dims,
+            GgmlType::F32.0,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
     }
 
     /// A tensor with the given type id and raw bytes.
     pub(crate) fn raw(name: &str, dims: &[u64], type_id: u32, data: Vec<u8>) -> Self {
-        Self { name: name.to_string(), dims: dims.to_vec(), type_id, data }
+        Self {
+            name: name.to_string(),
+            dims: dims.to_vec(),
+            type_id,
+            data,
+        }
     }
 }
 
@@ -43,7 +53,13 @@ pub(crate) struct GgufBuilder {
 
 impl GgufBuilder {
     pub(crate) fn new(version: u32) -> Self {
-        Self { version, alignment: 32, kvs: Vec::new(), tensors: Vec::new(), offset_overrides: Vec::new() }
+        Self {
+            version,
+            alignment: 32,
+            kvs: Vec::new(),
+            tensors: Vec::new(),
+            offset_overrides: Vec::new(),
+        }
     }
 
     pub(crate) fn kv(&mut self, key: &str, value: MetaValue) {
@@ -171,7 +187,11 @@ pub(crate) fn quantize_q8_0(values: &[f32]) -> (Vec<u8>, Vec<f32>) {
         let df = d.to_f32();
         bytes.extend_from_slice(&d.to_le_bytes());
         for &v in block {
-            let q = if df == 0.0 { 0 } else { (v / df).round().clamp(-127.0, 127.0) as i8 };
+            let q = if df == 0.0 {
+                0
+            } else {
+                (v / df).round().clamp(-127.0, 127.0) as i8
+            };
             bytes.push(q as u8);
             expect.push(f32::from(q) * df);
         }
@@ -193,7 +213,13 @@ pub(crate) fn quantize_q4_1(values: &[f32]) -> (Vec<u8>, Vec<f32>) {
         bytes.extend_from_slice(&m.to_le_bytes());
         let q: Vec<u8> = block
             .iter()
-            .map(|&v| if df == 0.0 { 0 } else { ((v - mf) / df).round().clamp(0.0, 15.0) as u8 })
+            .map(|&v| {
+                if df == 0.0 {
+                    0
+                } else {
+                    ((v - mf) / df).round().clamp(0.0, 15.0) as u8
+                }
+            })
             .collect();
         for j in 0..16 {
             bytes.push(q[j] | (q[j + 16] << 4));
@@ -206,9 +232,15 @@ pub(crate) fn quantize_q4_1(values: &[f32]) -> (Vec<u8>, Vec<f32>) {
 /// A tiny byte-level vocabulary: all 256 byte symbols, a few merges, and ChatML specials.
 pub(crate) fn tiny_tokenizer(b: &mut GgufBuilder, add_bos: bool, pre: &str) -> Vec<String> {
     let alphabet = byte_alphabet();
-    let mut tokens: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into(), "<|im_end|>".into()];
+    let mut tokens: Vec<String> = vec![
+        "<|endoftext|>".into(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+    ];
     tokens.extend(alphabet.iter().map(|c| c.to_string()));
-    let merges = ["H e", "l l", "He ll", "Hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"];
+    let merges = [
+        "H e", "l l", "He ll", "Hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld",
+    ];
     for m in merges {
         tokens.push(m.replace(' ', ""));
     }
@@ -218,9 +250,23 @@ pub(crate) fn tiny_tokenizer(b: &mut GgufBuilder, add_bos: bool, pre: &str) -> V
     types.push(4);
     b.kv("tokenizer.ggml.model", MetaValue::Str("gpt2".into()));
     b.kv("tokenizer.ggml.pre", MetaValue::Str(pre.into()));
-    b.kv("tokenizer.ggml.tokens", MetaValue::Array(tokens.iter().map(|t| MetaValue::Str(t.clone())).collect()));
-    b.kv("tokenizer.ggml.token_type", MetaValue::Array(types.into_iter().map(MetaValue::I32).collect()));
-    b.kv("tokenizer.ggml.merges", MetaValue::Array(merges.iter().map(|m| MetaValue::Str((*m).to_string())).collect()));
+    b.kv(
+        "tokenizer.ggml.tokens",
+        MetaValue::Array(tokens.iter().map(|t| MetaValue::Str(t.clone())).collect()),
+    );
+    b.kv(
+        "tokenizer.ggml.token_type",
+        MetaValue::Array(types.into_iter().map(MetaValue::I32).collect()),
+    );
+    b.kv(
+        "tokenizer.ggml.merges",
+        MetaValue::Array(
+            merges
+                .iter()
+                .map(|m| MetaValue::Str((*m).to_string()))
+                .collect(),
+        ),
+    );
     b.kv("tokenizer.ggml.bos_token_id", MetaValue::U32(1));
     b.kv("tokenizer.ggml.eos_token_id", MetaValue::U32(2));
     b.kv("tokenizer.ggml.add_bos_token", MetaValue::Bool(add_bos));

@@ -51,8 +51,8 @@ const SPLIT_GPT4O: &str = concat!(
 /// (which is what `default`, `gpt-2`, `smollm`, `starcoder` and unknown values get).
 fn split_regex(pre: &str) -> Option<&'static str> {
     Some(match pre {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
-        | "dbrx" | "smaug-bpe" => SPLIT_LLAMA3,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
+        | "lfm2" | "dbrx" | "smaug-bpe" => SPLIT_LLAMA3,
         "qwen2" | "deepseek-r1-qwen" | "megrez" => SPLIT_QWEN2,
         "tekken" => SPLIT_TEKKEN,
         "gpt-4o" | "llama4" | "minimax-m2" => SPLIT_GPT4O,
@@ -98,10 +98,15 @@ pub(crate) struct TokenizerFiles {
 
 fn string_list<'a>(g: &'a GgufFile, key: &str) -> Result<Option<Vec<&'a str>>> {
     let Some(v) = g.get(key) else { return Ok(None) };
-    let arr = v.as_array().ok_or_else(|| g.error(format!("metadata {key} is not an array")))?;
+    let arr = v
+        .as_array()
+        .ok_or_else(|| g.error(format!("metadata {key} is not an array")))?;
     arr.iter()
         .enumerate()
-        .map(|(i, s)| s.as_str().ok_or_else(|| g.error(format!("metadata {key}[{i}] is not a string"))))
+        .map(|(i, s)| {
+            s.as_str()
+                .ok_or_else(|| g.error(format!("metadata {key}[{i}] is not a string")))
+        })
         .collect::<Result<Vec<_>>>()
         .map(Some)
 }
@@ -110,7 +115,9 @@ fn string_list<'a>(g: &'a GgufFile, key: &str) -> Result<Option<Vec<&'a str>>> {
 pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
     let model = g
         .get("tokenizer.ggml.model")
-        .ok_or_else(|| g.error("metadata tokenizer.ggml.model is missing: the file has no tokenizer"))?
+        .ok_or_else(|| {
+            g.error("metadata tokenizer.ggml.model is missing: the file has no tokenizer")
+        })?
         .as_str()
         .ok_or_else(|| g.error("metadata tokenizer.ggml.model is not a string"))?;
     if model != "gpt2" {
@@ -123,12 +130,15 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
     if tokens.is_empty() {
         return Err(g.error("metadata tokenizer.ggml.tokens is empty"));
     }
-    let merges = string_list(g, "tokenizer.ggml.merges")?
-        .ok_or_else(|| g.error("metadata tokenizer.ggml.merges is missing (needed for a BPE tokenizer)"))?;
+    let merges = string_list(g, "tokenizer.ggml.merges")?.ok_or_else(|| {
+        g.error("metadata tokenizer.ggml.merges is missing (needed for a BPE tokenizer)")
+    })?;
     let token_types: Vec<i64> = match g.get("tokenizer.ggml.token_type") {
         None => Vec::new(),
         Some(v) => {
-            let arr = v.as_array().ok_or_else(|| g.error("metadata tokenizer.ggml.token_type is not an array"))?;
+            let arr = v
+                .as_array()
+                .ok_or_else(|| g.error("metadata tokenizer.ggml.token_type is not an array"))?;
             if arr.len() != tokens.len() {
                 return Err(g.error(format!(
                     "tokenizer.ggml.token_type has {} entries but there are {} tokens",
@@ -137,7 +147,10 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
                 )));
             }
             arr.iter()
-                .map(|t| t.as_i64().ok_or_else(|| g.error("tokenizer.ggml.token_type holds a non-integer")))
+                .map(|t| {
+                    t.as_i64()
+                        .ok_or_else(|| g.error("tokenizer.ggml.token_type holds a non-integer"))
+                })
                 .collect::<Result<_>>()?
         }
     };
@@ -155,7 +168,11 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
         let (a, b) = m
             .split_once(' ')
             .filter(|(_, b)| !b.contains(' '))
-            .ok_or_else(|| g.error(format!("tokenizer.ggml.merges[{i}] = {m:?} is not two tokens separated by a space")))?;
+            .ok_or_else(|| {
+                g.error(format!(
+                    "tokenizer.ggml.merges[{i}] = {m:?} is not two tokens separated by a space"
+                ))
+            })?;
         merge_pairs.push(json!([a, b]));
     }
 
@@ -193,7 +210,10 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
         })
         .collect();
 
-    let pre = g.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).unwrap_or("default");
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(MetaValue::as_str)
+        .unwrap_or("default");
     let pre_tokenizer = match split_regex(pre) {
         Some(regex) => json!({
             "type": "Sequence",
@@ -202,7 +222,9 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
                 { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
             ]
         }),
-        None => json!({ "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true }),
+        None => {
+            json!({ "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true })
+        }
     };
 
     let flag = |key: &str| g.get(key).and_then(MetaValue::as_bool);
@@ -214,14 +236,22 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
         match g.get(key) {
             None => Ok(None),
             Some(v) => {
-                let id = v.as_u64().ok_or_else(|| g.error(format!("metadata {key} is not a token id")))?;
+                let id = v
+                    .as_u64()
+                    .ok_or_else(|| g.error(format!("metadata {key} is not a token id")))?;
                 let (index, tok) = usize::try_from(id)
                     .ok()
                     .and_then(|i| tokens.get(i).map(|t| (i, *t)))
                     .ok_or_else(|| {
-                        g.error(format!("metadata {key} = {id} is outside the vocabulary of {} tokens", tokens.len()))
+                        g.error(format!(
+                            "metadata {key} = {id} is outside the vocabulary of {} tokens",
+                            tokens.len()
+                        ))
                     })?;
-                let vocab_id = vocab.get(&respell(tok, &alphabet)).copied().unwrap_or(index);
+                let vocab_id = vocab
+                    .get(&respell(tok, &alphabet))
+                    .copied()
+                    .unwrap_or(index);
                 Ok(Some((tok, vocab_id)))
             }
         }
@@ -233,7 +263,8 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
 
     let post_processor = template_processing(bos.filter(|_| add_bos), eos.filter(|_| add_eos));
 
-    let vocab_json: Map<String, Value> = vocab.iter().map(|(k, &v)| (k.clone(), json!(v))).collect();
+    let vocab_json: Map<String, Value> =
+        vocab.iter().map(|(k, &v)| (k.clone(), json!(v))).collect();
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
@@ -269,11 +300,18 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
         "clean_up_tokenization_spaces": false,
         "model_max_length": g.get("llama.context_length").and_then(MetaValue::as_u64).unwrap_or(2048),
     });
-    for (name, tok) in [("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)] {
+    for (name, tok) in [
+        ("bos_token", bos),
+        ("eos_token", eos),
+        ("unk_token", unk),
+        ("pad_token", pad),
+    ] {
         config[name] = tok.map_or(Value::Null, |(t, _)| json!(t));
     }
     if let Some(t) = g.get("tokenizer.chat_template") {
-        let t = t.as_str().ok_or_else(|| g.error("metadata tokenizer.chat_template is not a string"))?;
+        let t = t
+            .as_str()
+            .ok_or_else(|| g.error("metadata tokenizer.chat_template is not a string"))?;
         config["chat_template"] = json!(t);
     }
     let mut decoder = Map::new();
@@ -286,7 +324,11 @@ pub(crate) fn build(g: &GgufFile) -> Result<TokenizerFiles> {
     }
     config["added_tokens_decoder"] = Value::Object(decoder);
 
-    Ok(TokenizerFiles { tokenizer_json, tokenizer_config: config, n_tokens: tokens.len() })
+    Ok(TokenizerFiles {
+        tokenizer_json,
+        tokenizer_config: config,
+        n_tokens: tokens.len(),
+    })
 }
 
 /// The token as the vocabulary stores it: unchanged if every character is in the byte alphabet,
@@ -302,12 +344,17 @@ fn respell(tok: &str, alphabet: &[char; 256]) -> String {
 /// A TemplateProcessing post-processor adding `bos` before and `eos` after each sequence.
 fn template_processing(bos: Option<(&str, usize)>, eos: Option<(&str, usize)>) -> Value {
     let seq = |id: &str, type_id: u32| json!({ "Sequence": { "id": id, "type_id": type_id } });
-    let special = |tok: &str, type_id: u32| json!({ "SpecialToken": { "id": tok, "type_id": type_id } });
+    let special =
+        |tok: &str, type_id: u32| json!({ "SpecialToken": { "id": tok, "type_id": type_id } });
     let mut single = Vec::new();
     let mut pair = Vec::new();
     let mut specials = Map::new();
     for (sequence, type_id) in [("A", 0u32), ("B", 1)] {
-        let target = if sequence == "A" { &mut single } else { &mut pair };
+        let target = if sequence == "A" {
+            &mut single
+        } else {
+            &mut pair
+        };
         if let Some((t, _)) = bos {
             target.push(special(t, type_id));
         }
@@ -319,7 +366,10 @@ fn template_processing(bos: Option<(&str, usize)>, eos: Option<(&str, usize)>) -
     let mut pair_full = single.clone();
     pair_full.extend(pair);
     for (t, id) in bos.into_iter().chain(eos) {
-        specials.insert(t.to_string(), json!({ "id": t, "ids": [id], "tokens": [t] }));
+        specials.insert(
+            t.to_string(),
+            json!({ "id": t, "ids": [id], "tokens": [t] }),
+        );
     }
     json!({ "type": "TemplateProcessing", "single": single, "pair": pair_full, "special_tokens": specials })
 }
@@ -365,19 +415,35 @@ mod tests {
         let files = build(&g).unwrap();
         let tok = tokenizers::Tokenizer::from_str(&files.tokenizer_json).unwrap();
         let id = |s: &str| tokens.iter().position(|t| t == s).unwrap() as u32;
-        let enc = tok.encode("<|im_start|>Hello world<|im_end|><think>", false).unwrap();
-        assert_eq!(enc.get_ids(), &[1, id("Hello"), id("Ġworld"), 2, id("<think>")]);
+        let enc = tok
+            .encode("<|im_start|>Hello world<|im_end|><think>", false)
+            .unwrap();
+        assert_eq!(
+            enc.get_ids(),
+            &[1, id("Hello"), id("Ġworld"), 2, id("<think>")]
+        );
         let dec = tok.decode(enc.get_ids(), false).unwrap();
         assert_eq!(dec, "<|im_start|>Hello world<|im_end|><think>");
         // Specials are skipped on request, user-defined tokens are not.
-        assert_eq!(tok.decode(enc.get_ids(), true).unwrap(), "Hello world<think>");
+        assert_eq!(
+            tok.decode(enc.get_ids(), true).unwrap(),
+            "Hello world<think>"
+        );
         // Bytes outside ASCII go through the byte alphabet.
         let enc = tok.encode("é", false).unwrap();
         let alpha = byte_alphabet();
-        assert_eq!(enc.get_ids(), &[id(&alpha[0xC3].to_string()), id(&alpha[0xA9].to_string())]);
+        assert_eq!(
+            enc.get_ids(),
+            &[id(&alpha[0xC3].to_string()), id(&alpha[0xA9].to_string())]
+        );
         assert_eq!(files.tokenizer_config["eos_token"], "<|im_end|>");
         assert_eq!(files.tokenizer_config["add_bos_token"], false);
-        assert!(files.tokenizer_config["chat_template"].as_str().unwrap().contains("im_start"));
+        assert!(
+            files.tokenizer_config["chat_template"]
+                .as_str()
+                .unwrap()
+                .contains("im_start")
+        );
         assert_eq!(files.n_tokens, tokens.len());
     }
 
@@ -403,7 +469,10 @@ mod tests {
             let (_d, g) = open(&b);
             let tok = tokenizers::Tokenizer::from_str(&build(&g).unwrap().tokenizer_json).unwrap();
             let mut s = PreTokenizedString::from("abc 12345");
-            tok.get_pre_tokenizer().unwrap().pre_tokenize(&mut s).unwrap();
+            tok.get_pre_tokenizer()
+                .unwrap()
+                .pre_tokenize(&mut s)
+                .unwrap();
             s.get_splits(OffsetReferential::Original, OffsetType::Byte)
                 .into_iter()
                 .map(|(piece, _, _)| piece.to_string())
@@ -421,14 +490,24 @@ mod tests {
         let mut b = GgufBuilder::new(3);
         b.kv("tokenizer.ggml.model", MetaValue::Str("llama".into()));
         let (_d, g) = open(&b);
-        assert!(build(&g).unwrap_err().to_string().contains("\"llama\" is not supported"));
+        assert!(
+            build(&g)
+                .unwrap_err()
+                .to_string()
+                .contains("\"llama\" is not supported")
+        );
 
         let mut b = GgufBuilder::new(3);
         b.kv("tokenizer.ggml.model", MetaValue::Str("gpt2".into()));
         b.kv("tokenizer.ggml.tokens", strs(&["a", "b"]));
         b.kv("tokenizer.ggml.merges", strs(&["ab"]));
         let (_d, g) = open(&b);
-        assert!(build(&g).unwrap_err().to_string().contains("not two tokens"));
+        assert!(
+            build(&g)
+                .unwrap_err()
+                .to_string()
+                .contains("not two tokens")
+        );
 
         let mut b = GgufBuilder::new(3);
         b.kv("tokenizer.ggml.model", MetaValue::Str("gpt2".into()));
@@ -436,7 +515,12 @@ mod tests {
         b.kv("tokenizer.ggml.merges", strs(&[]));
         b.kv("tokenizer.ggml.eos_token_id", MetaValue::U32(9));
         let (_d, g) = open(&b);
-        assert!(build(&g).unwrap_err().to_string().contains("outside the vocabulary"));
+        assert!(
+            build(&g)
+                .unwrap_err()
+                .to_string()
+                .contains("outside the vocabulary")
+        );
     }
 
     #[test]
