@@ -843,6 +843,50 @@ mod tests {
     }
 
     #[test]
+    fn corrupted_metadata_never_panics_the_import() {
+        let clean = synthetic(21, false).builder.build();
+        // Corrupt only the header and metadata region, where values steer the conversion.
+        let header_len = clean.len() / 4;
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(99);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.gguf");
+        let mut imported = 0;
+        for i in 0..120 {
+            let mut bytes = clean.clone();
+            let at = rng.random_range(0..header_len);
+            bytes[at] = rng.random();
+            std::fs::write(&path, &bytes).unwrap();
+            let out = dir.path().join(format!("out{i}"));
+            if import_gguf(&path, &out, &ImportOptions::default(), &mut |_| {}).is_ok() {
+                imported += 1;
+                assert!(out.join("model.safetensors").is_file());
+            } else {
+                assert!(!out.exists());
+            }
+        }
+        assert!(imported < 120, "some corruptions must be detected");
+    }
+
+    #[test]
+    fn absurd_layer_count_is_refused() {
+        let mut s = synthetic(2, false);
+        let mut b = GgufBuilder::new(3);
+        for (k, v) in s.builder.kvs() {
+            if k == "llama.block_count" {
+                b.kv(k, MetaValue::U64(1 << 40));
+            } else {
+                b.kv(k, v.clone());
+            }
+        }
+        for t in s.builder.tensors() {
+            b.tensor(TestTensor::raw(&t.name, &t.dims, t.type_id, t.data.clone()));
+        }
+        s.builder = b;
+        let (err, _d) = import_err(&s.builder);
+        assert!(err.contains("llama.block_count is 1099511627776"), "{err}");
+    }
+
+    #[test]
     fn other_architectures_are_refused() {
         let mut b = GgufBuilder::new(3);
         b.kv("general.architecture", MetaValue::Str("mamba".into()));

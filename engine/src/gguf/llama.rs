@@ -119,9 +119,17 @@ impl LlamaParams {
                 },
             },
         };
+        let n_layers = req_usize(g, "llama.block_count")?;
+        // Each layer has nine tensors; a larger count is corrupt and must not size allocations.
+        if n_layers.saturating_mul(9) > g.tensors().len() {
+            return Err(g.error(format!(
+                "llama.block_count is {n_layers} but the file has only {} tensors",
+                g.tensors().len()
+            )));
+        }
         let id = |key: &str| g.get(key).and_then(MetaValue::as_u64);
         Ok(Self {
-            n_layers: req_usize(g, "llama.block_count")?,
+            n_layers,
             hidden,
             intermediate: req_usize(g, "llama.feed_forward_length")?,
             n_heads,
@@ -221,18 +229,22 @@ pub(crate) fn map_tensor(g: &GgufFile, p: &LlamaParams, t: &TensorInfo) -> Resul
             let (hf, shape, permute) = match part {
                 "attn_q.weight" => (
                     "self_attn.q_proj.weight",
-                    vec![p.n_heads * hd, h],
+                    vec![p.n_heads.saturating_mul(hd), h],
                     Permute::Heads(p.n_heads),
                 ),
                 "attn_k.weight" => (
                     "self_attn.k_proj.weight",
-                    vec![kv * hd, h],
+                    vec![kv.saturating_mul(hd), h],
                     Permute::Heads(kv),
                 ),
-                "attn_v.weight" => ("self_attn.v_proj.weight", vec![kv * hd, h], Permute::None),
+                "attn_v.weight" => (
+                    "self_attn.v_proj.weight",
+                    vec![kv.saturating_mul(hd), h],
+                    Permute::None,
+                ),
                 "attn_output.weight" => (
                     "self_attn.o_proj.weight",
-                    vec![h, p.n_heads * hd],
+                    vec![h, p.n_heads.saturating_mul(hd)],
                     Permute::None,
                 ),
                 "ffn_gate.weight" => (

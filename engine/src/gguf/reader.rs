@@ -717,6 +717,41 @@ mod tests {
     }
 
     #[test]
+    fn random_corruption_never_panics() {
+        use rand::{Rng, SeedableRng};
+        let clean = sample().build();
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(42);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.gguf");
+        let (mut ok, mut err) = (0, 0);
+        for _ in 0..400 {
+            let mut bytes = clean.clone();
+            for _ in 0..rng.random_range(1..4) {
+                let at = rng.random_range(0..bytes.len());
+                bytes[at] = rng.random();
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            match GgufFile::open(&path) {
+                Ok(g) => {
+                    ok += 1;
+                    let mut f = File::open(&path).unwrap();
+                    for t in g.tensors() {
+                        let _ = g.read_tensor_bytes(&mut f, t);
+                    }
+                }
+                Err(e) => {
+                    err += 1;
+                    assert!(matches!(e, Error::Gguf { .. }), "{e}");
+                }
+            }
+        }
+        assert!(
+            ok > 0 && err > 0,
+            "corruptions should both survive and fail ({ok} ok, {err} errors)"
+        );
+    }
+
+    #[test]
     fn rejects_tensor_past_eof() {
         let mut b = sample();
         b.tensor(TestTensor::f32("big", &[4], &[0.0; 4]));

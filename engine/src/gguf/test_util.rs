@@ -75,6 +75,11 @@ impl GgufBuilder {
         self.kvs.extend(other.kvs.iter().cloned());
     }
 
+    /// The metadata entries added so far.
+    pub(crate) fn kvs(&self) -> &[(String, MetaValue)] {
+        &self.kvs
+    }
+
     /// The tensors added so far.
     pub(crate) fn tensors(&self) -> &[TestTensor] {
         &self.tensors
