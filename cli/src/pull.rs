@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, anyhow, bail};
-use tandem_engine::gguf::{ImportOptions, ImportProgress, import_gguf};
+use tandem_engine::gguf::{ImportOptions, ImportProgress, OutDtype, import_gguf};
 
 /// File written last into a pulled model directory; its presence means the pull completed.
 pub(crate) const COMPLETE_MARKER: &str = ".tandem-complete";
@@ -91,17 +91,21 @@ pub(crate) struct ModelCache {
 
 impl ModelCache {
     /// A cache rooted at `root`.
-    pub(crate) fn new(root: impl Into<PathBuf>) -> Self {
+    pub(crate) fn at(root: impl Into<PathBuf>) -> Self {
         Self { root: root.into() }
     }
 
-    /// The cache chosen by the `--cache-dir` flag, else `TANDEM_CACHE_DIR`, else the platform cache
-    /// directory (`~/.cache/tandem` on Linux).
-    pub(crate) fn resolve(flag: Option<&Path>) -> Result<Self> {
-        Self::from_sources(flag, std::env::var_os(CACHE_ENV), dirs::cache_dir())
+    /// The cache chosen by the `--cache-dir` flag (`flag`), else `TANDEM_CACHE_DIR`, else the
+    /// platform cache directory (`~/.cache/tandem` on Linux).
+    pub(crate) fn new(flag: Option<PathBuf>) -> Result<Self> {
+        Self::from_sources(
+            flag.as_deref(),
+            std::env::var_os(CACHE_ENV),
+            dirs::cache_dir(),
+        )
     }
 
-    /// [`ModelCache::resolve`] with its inputs given explicitly. An empty environment value counts
+    /// [`ModelCache::new`] with its inputs given explicitly. An empty environment value counts
     /// as unset.
     pub(crate) fn from_sources(
         flag: Option<&Path>,
@@ -109,13 +113,13 @@ impl ModelCache {
         platform_cache: Option<PathBuf>,
     ) -> Result<Self> {
         if let Some(flag) = flag {
-            return Ok(Self::new(flag));
+            return Ok(Self::at(flag));
         }
         if let Some(env) = env.filter(|e| !e.is_empty()) {
-            return Ok(Self::new(env));
+            return Ok(Self::at(env));
         }
         match platform_cache {
-            Some(dir) => Ok(Self::new(dir.join("tandem"))),
+            Some(dir) => Ok(Self::at(dir.join("tandem"))),
             None => bail!("cannot find a cache directory: pass --cache-dir or set {CACHE_ENV}"),
         }
     }
@@ -153,8 +157,14 @@ pub(crate) enum PullEvent<'a> {
 }
 
 /// Turns a model argument into a model directory: an existing directory is used as it is; a known
-/// model name is pulled into the cache on first use; anything else is an error listing the names.
-pub(crate) fn resolve_model(
+/// model name is pulled into the cache on first use (with a progress bar on a terminal); anything
+/// else is an error listing the names.
+pub(crate) fn resolve_model(arg: &str, cache: &ModelCache) -> Result<PathBuf> {
+    resolve_model_with(arg, cache, &mut terminal_progress())
+}
+
+/// [`resolve_model`] reporting to `progress`.
+pub(crate) fn resolve_model_with(
     arg: &str,
     cache: &ModelCache,
     progress: &mut dyn FnMut(&PullEvent<'_>),
@@ -164,7 +174,7 @@ pub(crate) fn resolve_model(
         return Ok(path.to_path_buf());
     }
     if known_model(arg).is_some() {
-        return pull(arg, cache, progress);
+        return pull_with_progress(arg, cache, progress);
     }
     if path.is_file() {
         let hint = if arg.ends_with(".gguf") {
@@ -180,8 +190,14 @@ pub(crate) fn resolve_model(
     )
 }
 
-/// Makes sure the model called `name` is in the cache and returns its directory.
-pub(crate) fn pull(
+/// Makes sure the model called `name` is in the cache and returns its directory, drawing progress
+/// on the terminal.
+pub(crate) fn pull(name: &str, cache: &ModelCache) -> Result<PathBuf> {
+    pull_with_progress(name, cache, &mut terminal_progress())
+}
+
+/// [`pull`] reporting to `progress`. The interpreter is `TANDEM_PYTHON`, else `python3`.
+pub(crate) fn pull_with_progress(
     name: &str,
     cache: &ModelCache,
     progress: &mut dyn FnMut(&PullEvent<'_>),
@@ -391,6 +407,33 @@ impl Drop for TempDir {
     }
 }
 
+/// `tandem model import-gguf`: converts `file` into `out_dir` with a progress bar, then prints a
+/// one-line summary on stderr.
+pub(crate) fn import_with_progress(file: &Path, out_dir: &Path, bf16: bool) -> Result<()> {
+    let opts = ImportOptions {
+        out_dtype: if bf16 { OutDtype::Bf16 } else { OutDtype::F32 },
+    };
+    let mut report = terminal_progress();
+    let summary = import_gguf(file, out_dir, &opts, &mut |p| {
+        report(&PullEvent::Importing(p))
+    })
+    .with_context(|| format!("importing {}", file.display()))?;
+    report(&PullEvent::Done(out_dir));
+    let types: Vec<String> = summary
+        .tensor_types
+        .iter()
+        .map(|(t, n)| format!("{n} {t}"))
+        .collect();
+    eprintln!(
+        "converted {} ({} tensors: {}) into {}",
+        summary.architecture,
+        summary.num_tensors,
+        types.join(", "),
+        summary.out_dir.display()
+    );
+    Ok(())
+}
+
 /// A progress reporter drawing on the terminal with indicatif: a spinner while pip and the
 /// extraction run, then a byte bar for the conversion.
 pub(crate) fn terminal_progress() -> impl FnMut(&PullEvent<'_>) {
@@ -427,11 +470,10 @@ pub(crate) fn terminal_progress() -> impl FnMut(&PullEvent<'_>) {
                 b.set_message(p.current.clone());
             }
         }
-        PullEvent::Done(dir) => {
+        PullEvent::Done(_) => {
             if let Some(b) = bar.take() {
                 b.finish_and_clear();
             }
-            eprintln!("model ready at {}", dir.display());
         }
     }
 }
@@ -484,7 +526,7 @@ mod tests {
             err.contains("--cache-dir") && err.contains(CACHE_ENV),
             "{err}"
         );
-        let cache = ModelCache::new("/c");
+        let cache = ModelCache::at("/c");
         assert_eq!(
             cache.model_dir(SMOL),
             PathBuf::from("/c/models/smollm2-135m-instruct")
@@ -494,7 +536,7 @@ mod tests {
     #[test]
     fn complete_model_is_returned_without_python_or_network() {
         let tmp = scratch("idempotent");
-        let cache = ModelCache::new(&tmp.path);
+        let cache = ModelCache::at(&tmp.path);
         let dir = fake_complete(&cache);
         let mut events = Vec::new();
         // A Python that cannot run proves nothing was downloaded.
@@ -511,7 +553,7 @@ mod tests {
             "no download directory may be created"
         );
         // resolve_model goes through the same path, and names are case-insensitive.
-        let got = resolve_model("SmolLM2-135M-Instruct", &cache, &mut |_| {});
+        let got = resolve_model("SmolLM2-135M-Instruct", &cache);
         // resolve_model uses the real python only when the model is not complete.
         assert_eq!(got.unwrap(), dir);
     }
@@ -519,7 +561,7 @@ mod tests {
     #[test]
     fn incomplete_or_mismatched_marker_means_not_pulled() {
         let tmp = scratch("incomplete");
-        let cache = ModelCache::new(&tmp.path);
+        let cache = ModelCache::at(&tmp.path);
         let model = known_model(SMOL).unwrap();
         let dir = fake_complete(&cache);
         assert!(is_complete(&dir, model));
@@ -550,8 +592,8 @@ mod tests {
     #[test]
     fn unknown_names_and_files_are_clear_errors() {
         let tmp = scratch("unknown");
-        let cache = ModelCache::new(&tmp.path);
-        let err = resolve_model("no-such-model", &cache, &mut |_| {})
+        let cache = ModelCache::at(&tmp.path);
+        let err = resolve_model("no-such-model", &cache)
             .unwrap_err()
             .to_string();
         assert!(err.contains("unknown model \"no-such-model\""), "{err}");
@@ -562,7 +604,7 @@ mod tests {
         assert!(err.contains(SMOL), "{err}");
         let file = tmp.path.join("m.gguf");
         std::fs::write(&file, "x").unwrap();
-        let err = resolve_model(file.to_str().unwrap(), &cache, &mut |_| {})
+        let err = resolve_model(file.to_str().unwrap(), &cache)
             .unwrap_err()
             .to_string();
         assert!(err.contains("is a file, not a model directory"), "{err}");
@@ -571,9 +613,9 @@ mod tests {
     #[test]
     fn an_existing_directory_is_used_as_is() {
         let tmp = scratch("dir");
-        let cache = ModelCache::new(tmp.path.join("cache"));
+        let cache = ModelCache::at(tmp.path.join("cache"));
         let arg = tmp.path.to_str().unwrap();
-        assert_eq!(resolve_model(arg, &cache, &mut |_| {}).unwrap(), tmp.path);
+        assert_eq!(resolve_model(arg, &cache).unwrap(), tmp.path);
         assert!(
             !cache.root().exists(),
             "resolving a directory must not touch the cache"
@@ -607,9 +649,9 @@ mod tests {
             return;
         }
         let tmp = scratch("real");
-        let cache = ModelCache::new(&tmp.path);
+        let cache = ModelCache::at(&tmp.path);
         let mut events = Vec::new();
-        let dir = pull(SMOL, &cache, &mut |e| {
+        let dir = pull_with_progress(SMOL, &cache, &mut |e| {
             if !matches!(e, PullEvent::Importing(_)) {
                 events.push(format!("{e:?}"));
             }
@@ -622,7 +664,7 @@ mod tests {
         let tmp_left: Vec<_> = std::fs::read_dir(tmp.path.join("tmp")).unwrap().collect();
         assert!(tmp_left.is_empty(), "the download directory is removed");
         // The second time is instant and offline.
-        let again = pull(SMOL, &cache, &mut |e| {
+        let again = pull_with_progress(SMOL, &cache, &mut |e| {
             assert!(matches!(e, PullEvent::Cached(_)))
         })
         .unwrap();
