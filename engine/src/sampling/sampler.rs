@@ -1,0 +1,451 @@
+//! The per-sequence sampler: turns one row of logits into a token, its logprob and top logprobs.
+//!
+//! Pipeline (vLLM order): penalties → temperature → top-k → top-p → min-p → draw.
+//!
+//! Invariants:
+//! - greedy (`temperature == 0`) is the argmax of the penalised logits, lowest index on ties
+//!   (as `torch.argmax`), and never touches the RNG;
+//! - a non-greedy step draws exactly one `f64` from the sequence's own ChaCha RNG, whatever the
+//!   filters left, so a seeded sequence replays identically from the same logits;
+//! - logprobs are the log-softmax of the penalised logits scaled by the temperature (scale 1
+//!   for greedy), over the whole vocabulary, before any truncation filter;
+//! - NaN logits are treated as `-inf` (never sampled unless nothing else is left);
+//! - scratch buffers are owned and reused, so a step allocates only the returned top-logprobs.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::filters::{self, Candidate};
+use super::logprobs::{log_sum_exp, logprob, top_logprobs};
+use super::params::SamplingParams;
+use super::penalties::{Penalties, PenaltyScratch, apply_penalties};
+
+/// One sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampledToken {
+    /// The chosen token id.
+    pub token: u32,
+    /// Its log-probability (see the module doc for which distribution).
+    pub logprob: f32,
+    /// The requested number of most likely tokens with their logprobs, best first; empty unless
+    /// `SamplingParams::logprobs` asked for some.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Mixes a request seed with a sequence index (SplitMix64 finaliser), so the `n` sequences of one
+/// seeded request get distinct but reproducible RNG streams.
+pub fn sequence_seed(request_seed: u64, index: usize) -> u64 {
+    let mut z = request_seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Picks tokens for one sequence. Owns its RNG and scratch buffers; create one per sequence.
+#[derive(Debug)]
+pub struct Sampler {
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    min_p: f32,
+    penalties: Option<Penalties>,
+    logprobs: usize,
+    rng: ChaCha8Rng,
+    work: Vec<f32>,
+    cands: Vec<Candidate>,
+    penalty_scratch: PenaltyScratch,
+}
+
+impl Sampler {
+    /// A sampler for `params` (which should have passed [`SamplingParams::validate`]) whose RNG
+    /// starts from `seed`. The engine passes [`sequence_seed`] of the request seed (or a random
+    /// one) and the sequence index.
+    pub fn new(params: &SamplingParams, seed: u64) -> Self {
+        let penalties = params.has_penalties().then_some(Penalties {
+            repetition: params.repetition_penalty,
+            presence: params.presence_penalty,
+            frequency: params.frequency_penalty,
+        });
+        Sampler {
+            temperature: params.temperature,
+            top_k: params.top_k,
+            top_p: params.top_p,
+            min_p: params.min_p,
+            penalties,
+            logprobs: params.logprobs.unwrap_or(0),
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            work: Vec::new(),
+            cands: Vec::new(),
+            penalty_scratch: PenaltyScratch::default(),
+        }
+    }
+
+    /// Samples the next token from one row of `vocab_size` logits. `prompt` and `output` are the
+    /// sequence's tokens so far (for the penalties); ids outside the row are ignored.
+    ///
+    /// # Panics
+    /// If `logits` is empty: the model always produces `vocab_size >= 1` logits, so an empty row
+    /// is an engine bug, not bad input.
+    pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> SampledToken {
+        assert!(
+            !logits.is_empty(),
+            "Sampler::sample called with an empty logits row"
+        );
+        self.work.clear();
+        // NaN → -inf; -0.0 → +0.0 so equal logits compare equal under total ordering.
+        self.work.extend(logits.iter().map(|&l| {
+            if l.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                l + 0.0
+            }
+        }));
+        if let Some(pen) = self.penalties {
+            apply_penalties(
+                &mut self.work,
+                prompt,
+                output,
+                pen,
+                &mut self.penalty_scratch,
+            );
+        }
+        if self.temperature == 0.0 {
+            let token = argmax(&self.work);
+            return self.finish(token);
+        }
+        self.scale_by_temperature();
+        self.cands.clear();
+        self.cands.extend(
+            self.work
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| **l > f32::NEG_INFINITY)
+                .map(|(i, &l)| Candidate {
+                    id: i as u32,
+                    logit: l,
+                }),
+        );
+        filters::top_k(&mut self.cands, self.top_k);
+        filters::top_p(&mut self.cands, self.top_p);
+        filters::min_p(&mut self.cands, self.min_p);
+        let u: f64 = self.rng.random();
+        let token = draw(&self.cands, u).unwrap_or_else(|| argmax(&self.work));
+        self.finish(token)
+    }
+
+    /// `work[i] = (work[i] - max) / T`: the largest becomes 0, nothing overflows even for tiny T.
+    fn scale_by_temperature(&mut self) {
+        let max = self.work.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        if !max.is_finite() {
+            return;
+        }
+        let inv = 1.0 / self.temperature;
+        if inv.is_finite() {
+            for l in &mut self.work {
+                *l = (*l - max) * inv;
+            }
+        } else {
+            for l in &mut self.work {
+                *l = (*l - max) / self.temperature;
+            }
+        }
+    }
+
+    /// Builds the result from `work` (the distribution logprobs refer to).
+    fn finish(&mut self, token: u32) -> SampledToken {
+        let lse = log_sum_exp(&self.work);
+        let top = top_logprobs(&self.work, lse, self.logprobs, &mut self.cands);
+        SampledToken {
+            token,
+            logprob: logprob(self.work[token as usize], lse),
+            top_logprobs: top,
+        }
+    }
+}
+
+/// Index of the largest value, lowest index on ties (`-inf`/NaN-free input assumed; an all-`-inf`
+/// row gives 0).
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &l) in row.iter().enumerate().skip(1) {
+        if l > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Inverse-CDF draw over the candidates with weights `exp(l - max)`, `u` in `[0, 1)`.
+/// `None` only for an empty list.
+fn draw(cands: &[Candidate], u: f64) -> Option<u32> {
+    let last = cands.last()?;
+    let max = filters::max_logit(cands);
+    let total: f64 = cands.iter().map(|c| f64::from((c.logit - max).exp())).sum();
+    let target = u * total;
+    let mut cum = 0.0f64;
+    for c in cands {
+        cum += f64::from((c.logit - max).exp());
+        if target < cum {
+            return Some(c.id);
+        }
+    }
+    // Rounding left target at (or past) the total: the last candidate owns that sliver.
+    Some(last.id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p.validate().unwrap();
+        p
+    }
+
+    fn softmax(l: &[f32], t: f32) -> Vec<f64> {
+        let m = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let e: Vec<f64> = l.iter().map(|&x| f64::from((x - m) / t).exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.iter().map(|x| x / s).collect()
+    }
+
+    fn histogram(s: &mut Sampler, logits: &[f32], draws: usize) -> Vec<f64> {
+        let mut h = vec![0usize; logits.len()];
+        for _ in 0..draws {
+            h[s.sample(logits, &[], &[]).token as usize] += 1;
+        }
+        h.iter().map(|&c| c as f64 / draws as f64).collect()
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_lowest_index_on_ties() {
+        let mut s = Sampler::new(&SamplingParams::greedy(), 0);
+        assert_eq!(s.sample(&[0.5, 3.0, 1.0, 3.0], &[], &[]).token, 1);
+        assert_eq!(s.sample(&[-1.0, -1.0], &[], &[]).token, 0);
+        assert_eq!(s.sample(&[f32::NAN, -5.0, f32::NAN], &[], &[]).token, 1);
+        assert_eq!(s.sample(&[-0.0, 0.0], &[], &[]).token, 0);
+    }
+
+    #[test]
+    fn greedy_does_not_touch_the_rng() {
+        let p = SamplingParams::greedy();
+        let mut s = Sampler::new(&p, 42);
+        let before = s.rng.clone();
+        for _ in 0..10 {
+            s.sample(&[1.0, 2.0, 3.0], &[], &[]);
+        }
+        assert_eq!(s.rng, before);
+    }
+
+    #[test]
+    fn greedy_logprobs_use_temperature_one_over_penalised_logits() {
+        let p = params(|p| {
+            p.temperature = 0.0;
+            p.repetition_penalty = 2.0;
+            p.logprobs = Some(2);
+        });
+        let mut s = Sampler::new(&p, 0);
+        // token 2 (logit 4) is in the prompt: penalised to 2, so token 1 (3) wins.
+        let out = s.sample(&[1.0, 3.0, 4.0], &[2], &[]);
+        assert_eq!(out.token, 1);
+        let want = softmax(&[1.0, 3.0, 2.0], 1.0);
+        assert!((f64::from(out.logprob) - want[1].ln()).abs() < 1e-6);
+        assert_eq!(out.top_logprobs.len(), 2);
+        assert_eq!(out.top_logprobs[0].0, 1);
+        assert_eq!(out.top_logprobs[1].0, 2);
+        assert!((f64::from(out.top_logprobs[1].1) - want[2].ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn logprobs_are_temperature_scaled_and_before_filters() {
+        let p = params(|p| {
+            p.temperature = 0.5;
+            p.top_k = 1;
+            p.logprobs = Some(3);
+        });
+        let logits = [1.0, 2.0, 0.0];
+        let mut s = Sampler::new(&p, 3);
+        let out = s.sample(&logits, &[], &[]);
+        assert_eq!(out.token, 1);
+        let want = softmax(&logits, 0.5);
+        assert!((f64::from(out.logprob) - want[1].ln()).abs() < 1e-6);
+        let ids: Vec<u32> = out.top_logprobs.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 0, 2]);
+        for (id, lp) in out.top_logprobs {
+            assert!((f64::from(lp) - want[id as usize].ln()).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn no_logprobs_requested_gives_empty_top_list() {
+        let mut s = Sampler::new(&SamplingParams::default(), 1);
+        assert!(s.sample(&[1.0, 2.0], &[], &[]).top_logprobs.is_empty());
+        let mut s = Sampler::new(&params(|p| p.logprobs = Some(0)), 1);
+        assert!(s.sample(&[1.0, 2.0], &[], &[]).top_logprobs.is_empty());
+    }
+
+    #[test]
+    fn temperature_sampling_follows_softmax() {
+        let logits = [1.0f32, 2.0, 0.5, -1.0, 3.0];
+        for t in [0.7f32, 1.0, 1.8] {
+            let mut s = Sampler::new(&params(|p| p.temperature = t), 1234);
+            let freq = histogram(&mut s, &logits, 100_000);
+            let want = softmax(&logits, t);
+            for (f, w) in freq.iter().zip(&want) {
+                // std dev of a proportion at n = 1e5 is <= 0.0016; 0.008 is five of them.
+                assert!((f - w).abs() < 0.008, "t={t}: freq {freq:?} want {want:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_sampling_is_renormalised_over_the_kept_set() {
+        let logits = [1.0f32, 2.0, 0.5, -1.0, 3.0];
+        let mut s = Sampler::new(&params(|p| p.top_k = 2), 99);
+        let freq = histogram(&mut s, &logits, 50_000);
+        let want = softmax(&[2.0, 3.0], 1.0);
+        assert!(
+            (freq[1] - want[0]).abs() < 0.01 && (freq[4] - want[1]).abs() < 0.01,
+            "{freq:?}"
+        );
+        assert_eq!(freq[0] + freq[2] + freq[3], 0.0);
+    }
+
+    #[test]
+    fn filters_never_return_excluded_tokens() {
+        // probs ∝ exp(logits): roughly 0.64, 0.24, 0.09, 0.03, ...
+        let logits = [3.0f32, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0];
+        let cases: Vec<(SamplingParams, Vec<u32>)> = vec![
+            (params(|p| p.top_k = 3), vec![0, 1, 2]),
+            (params(|p| p.top_p = 0.8), vec![0, 1]),
+            (params(|p| p.min_p = 0.3), vec![0, 1]),
+            (params(|p| p.min_p = 0.1), vec![0, 1, 2]),
+            (
+                // Each filter binds: top-k drops 6 and 7, top-p (over the six left: cumulative
+                // mass before token 5 is ~0.997) drops 5, min-p (threshold 3 + ln 0.02 ≈ -0.91)
+                // drops 4.
+                params(|p| {
+                    p.top_k = 6;
+                    p.top_p = 0.99;
+                    p.min_p = 0.02;
+                }),
+                vec![0, 1, 2, 3],
+            ),
+        ];
+        for (p, allowed) in cases {
+            let mut s = Sampler::new(&p, 5);
+            let mut seen = vec![false; logits.len()];
+            for _ in 0..20_000 {
+                let t = s.sample(&logits, &[], &[]).token;
+                assert!(allowed.contains(&t), "{p:?} returned excluded token {t}");
+                seen[t as usize] = true;
+            }
+            // Every allowed token is reachable (each has probability >= ~3% here).
+            for a in &allowed {
+                assert!(seen[*a as usize], "{p:?} never returned allowed token {a}");
+            }
+        }
+    }
+
+    #[test]
+    fn same_seed_same_sequence_different_seed_differs() {
+        let p = params(|p| {
+            p.temperature = 1.3;
+            p.top_p = 0.95;
+            p.repetition_penalty = 1.1;
+        });
+        let logits: Vec<f32> = (0..500).map(|i| ((i * 37 % 101) as f32) / 25.0).collect();
+        let run = |seed: u64| {
+            let mut s = Sampler::new(&p, seed);
+            let mut out = Vec::new();
+            for _ in 0..64 {
+                let t = s.sample(&logits, &[1, 2, 3], &out).token;
+                out.push(t);
+            }
+            out
+        };
+        assert_eq!(run(sequence_seed(7, 0)), run(sequence_seed(7, 0)));
+        assert_ne!(run(sequence_seed(7, 0)), run(sequence_seed(7, 1)));
+        assert_ne!(run(sequence_seed(7, 0)), run(sequence_seed(8, 0)));
+    }
+
+    #[test]
+    fn sequence_seed_separates_indices() {
+        let seeds: std::collections::HashSet<u64> =
+            (0..1000).map(|i| sequence_seed(12345, i)).collect();
+        assert_eq!(seeds.len(), 1000);
+        assert_ne!(sequence_seed(0, 0), 0);
+    }
+
+    #[test]
+    fn penalties_steer_the_sample() {
+        // Token 0 would always win greedily, but a large frequency penalty on its repeats
+        // in the output flips the choice.
+        let p = params(|p| {
+            p.temperature = 0.0;
+            p.frequency_penalty = 2.0;
+        });
+        let mut s = Sampler::new(&p, 0);
+        assert_eq!(s.sample(&[3.0, 0.0], &[], &[]).token, 0);
+        assert_eq!(s.sample(&[3.0, 0.0], &[], &[0, 0]).token, 1);
+        // Presence penalty ignores prompt tokens.
+        let p = params(|p| {
+            p.temperature = 0.0;
+            p.presence_penalty = 2.0;
+        });
+        let mut s = Sampler::new(&p, 0);
+        assert_eq!(s.sample(&[1.0, 0.0], &[0, 0, 0], &[]).token, 0);
+        assert_eq!(s.sample(&[1.0, 0.0], &[], &[0]).token, 1);
+    }
+
+    #[test]
+    fn tiny_temperature_approaches_greedy_without_nan() {
+        let p = params(|p| {
+            p.temperature = 1e-30;
+            p.logprobs = Some(2);
+        });
+        let mut s = Sampler::new(&p, 11);
+        for _ in 0..100 {
+            let out = s.sample(&[1.0, 1.5, 1.4999], &[], &[]);
+            assert_eq!(out.token, 1);
+            assert_eq!(out.logprob, 0.0);
+            assert!(out.top_logprobs.iter().all(|t| !t.1.is_nan()));
+        }
+    }
+
+    #[test]
+    fn degenerate_rows_do_not_panic() {
+        let p = params(|p| p.logprobs = Some(3));
+        let mut s = Sampler::new(&p, 0);
+        let out = s.sample(&[f32::NAN; 4], &[], &[]);
+        assert_eq!(out.token, 0);
+        assert_eq!(out.logprob, f32::NEG_INFINITY);
+        // -inf entries are never sampled while something finite remains.
+        for _ in 0..200 {
+            let t = s.sample(
+                &[f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY, f32::NAN],
+                &[],
+                &[],
+            );
+            assert_eq!(t.token, 1);
+            assert_eq!(t.logprob, 0.0);
+        }
+        assert_eq!(s.sample(&[5.0], &[], &[]).token, 0);
+    }
+
+    #[test]
+    fn draw_covers_the_unit_interval() {
+        let c = [
+            Candidate { id: 4, logit: 0.0 },
+            Candidate { id: 9, logit: 0.0 },
+        ];
+        assert_eq!(draw(&c, 0.0), Some(4));
+        assert_eq!(draw(&c, 0.49), Some(4));
+        assert_eq!(draw(&c, 0.5), Some(9));
+        assert_eq!(draw(&c, 0.999_999), Some(9));
+        assert_eq!(draw(&[], 0.3), None);
+    }
+}
