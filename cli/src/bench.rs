@@ -25,8 +25,8 @@ pub(crate) struct CpuBenchArgs {
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
     /// Tokens generated per sequence in the decode measurement.
-    #[arg(long, default_value_t = 32)]
-    gen: usize,
+    #[arg(long = "gen", default_value_t = 32)]
+    gen_tokens: usize,
     /// Batch sizes for decode, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     batches: Vec<usize>,
@@ -47,7 +47,7 @@ struct Measured {
 }
 
 pub(crate) fn run_cpu(args: CpuBenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.prompt_len > 0 && args.gen > 1, "--prompt-len must be positive and --gen at least 2");
+    anyhow::ensure!(args.prompt_len > 0 && args.gen_tokens > 1, "--prompt-len must be positive and --gen at least 2");
     anyhow::ensure!(!args.batches.is_empty() && args.batches.iter().all(|&b| b > 0), "--batches must list positive sizes");
     let threads = args.engine.threads.unwrap_or_else(rayon::current_num_threads);
     let (dir, mut engine) = args.engine.load(false)?;
@@ -60,7 +60,7 @@ pub(crate) fn run_cpu(args: CpuBenchArgs) -> anyhow::Result<()> {
         eprintln!("HF transformers: running {} {}", args.hf_python, args.hf_script.display());
         Some(run_hf(&args, &dir, threads))
     };
-    println!("tandem bench cpu — model {}, prompt {} tokens, {} generated tokens, {threads} threads", dir.display(), args.prompt_len, args.gen);
+    println!("tandem bench cpu — model {}, prompt {} tokens, {} generated tokens, {threads} threads", dir.display(), args.prompt_len, args.gen_tokens);
     println!("{:<22} {:>12} {:>12} {:>8}", "metric", "tandem", "HF f32", "ratio");
     let hf_ok = hf.as_ref().and_then(|r| r.as_ref().ok());
     let row = |name: &str, ours: f64, theirs: Option<f64>| match theirs {
@@ -105,7 +105,7 @@ fn measure(engine: &mut Engine, args: &CpuBenchArgs) -> anyhow::Result<Measured>
         let mut ids = HashSet::new();
         for _ in 0..batch {
             let prompt = Prompt::Tokens(random_prompt(&mut rng, args.prompt_len, vocab));
-            ids.insert(engine.add_request(&prompt, greedy(args.gen + 1))?);
+            ids.insert(engine.add_request(&prompt, greedy(args.gen_tokens + 1))?);
         }
         // Prefill phase: until every request has its first token.
         let mut started = HashSet::new();
@@ -120,8 +120,8 @@ fn measure(engine: &mut Engine, args: &CpuBenchArgs) -> anyhow::Result<Measured>
             let outputs = engine.step()?;
             tokens += outputs.iter().filter(|o| ids.contains(&o.request)).map(|o| o.token_ids.len()).sum::<usize>();
         }
-        if tokens != batch * args.gen {
-            bail!("decode produced {tokens} tokens, expected {}", batch * args.gen);
+        if tokens != batch * args.gen_tokens {
+            bail!("decode produced {tokens} tokens, expected {}", batch * args.gen_tokens);
         }
         decode.push((batch, tokens as f64 / start.elapsed().as_secs_f64()));
     }
@@ -135,7 +135,7 @@ fn run_hf(args: &CpuBenchArgs, dir: &std::path::Path, threads: usize) -> anyhow:
         .arg("--model-dir")
         .arg(dir)
         .args(["--threads", &threads.to_string(), "--prompt-len", &args.prompt_len.to_string()])
-        .args(["--gen", &args.gen.to_string(), "--batches", &batches.join(",")])
+        .args(["--gen", &args.gen_tokens.to_string(), "--batches", &batches.join(",")])
         .output()
         .with_context(|| format!("cannot run {}", args.hf_python))?;
     if !out.status.success() {

@@ -17,4 +17,5 @@ pub mod tokenizer;
 pub mod weights;
 
 
+pub use engine::Engine;
 pub use error::{Error, Result};
