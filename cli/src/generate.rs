@@ -58,6 +58,7 @@ impl EngineArgs {
 
 /// Arguments of `tandem generate`.
 #[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
 pub(crate) struct GenerateArgs {
     #[command(flatten)]
     engine: EngineArgs,

@@ -17,8 +17,8 @@ use rand::{Rng, SeedableRng, rngs::SmallRng};
 use crate::config::ModelConfig;
 use crate::detok::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 use crate::model::{BatchChunk, KvCache, Model};
-use crate::sampling::{Sampler, SamplingParams};
-use crate::kv::BlockCopy;
+use crate::sampling::{Sampler, SamplingParams, sequence_seed};
+use crate::kv::{BlockCopy, BlockId};
 use crate::sched::{NewRequest, RemoteAlloc, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::{Error, Result};
@@ -149,6 +149,8 @@ struct RequestState {
     /// Whether a chunk of this request has been scheduled yet (the first one starts after the
     /// prefix-cache hit, which is how cached tokens are counted).
     scheduled: bool,
+    /// Prefill role: the blocks kept for the KV transfer after the prefill finished.
+    held: Option<Vec<BlockId>>,
 }
 
 /// One model instance with its KV pool, scheduler and live requests.
@@ -283,7 +285,7 @@ impl Engine {
         let seed = params.seed.unwrap_or_else(|| self.rng.random());
         let first = SeqState::new(&params, &prompt, seed, 0);
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
-        (id, RequestState { params, prompt, seqs: vec![first], seed, usage, scheduled: false })
+        (id, RequestState { params, prompt, seqs: vec![first], seed, usage, scheduled: false, held: None })
     }
 
     /// Validates and queues a request; returns its id.
@@ -324,6 +326,11 @@ impl Engine {
         let mut outputs = Vec::new();
         self.accept_token(SeqId { request: id, index: 0 }, first_token, None, &mut outputs)?;
         Ok(outputs)
+    }
+
+    /// Prefill role: the blocks a finished prefill holds for the KV transfer, in position order.
+    pub fn held_blocks(&self, id: RequestId) -> Option<Vec<BlockId>> {
+        self.requests.get(&id).and_then(|r| r.held.clone())
     }
 
     /// Prefill role: frees the blocks a finished prefill holds (once its KV has been sent).
@@ -457,7 +464,7 @@ impl Engine {
             }
             seq.finished = true;
             if reason == FinishReason::PrefillDone {
-                self.sched.hold(seq_id);
+                req.held = Some(self.sched.hold(seq_id));
             } else {
                 self.sched.finish(seq_id);
                 if req.seqs.iter().all(|s| s.finished) {
@@ -501,7 +508,7 @@ impl SeqState {
     fn new(params: &SamplingParams, prompt: &[u32], seed: u64, index: u32) -> Self {
         let tail = &prompt[prompt.len().saturating_sub(8)..];
         SeqState {
-            sampler: Sampler::new(params, seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+            sampler: Sampler::new(params, sequence_seed(seed, index as usize)),
             output: Vec::new(),
             detok: IncrementalDetokenizer::new(tail, params.skip_special_tokens),
             stop: StopMatcher::new(&params.stop),
