@@ -136,7 +136,9 @@ impl Sampler {
             f32::NEG_INFINITY
         };
         let u: f64 = self.rng.random();
-        let filtered = self.top_k != 0 || self.top_p < 1.0 || self.min_p > 0.0;
+        let filtered = (self.top_k != 0 && self.top_k < self.work.len())
+            || self.top_p < 1.0
+            || self.min_p > 0.0;
         let token = if filtered {
             self.filter(total);
             draw(self.cands.iter().map(|c| (c.id, c.weight)), u)
