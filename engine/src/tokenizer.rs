@@ -429,9 +429,16 @@ mod tests {
     use super::*;
 
     fn chatml() -> (tempfile::TempDir, Tokenizer) {
-        let dir = Fixture::default().write();
-        let tok = Tokenizer::from_model_dir(dir.path()).unwrap();
-        (dir, tok)
+        test_support::default_tokenizer()
+    }
+
+    #[test]
+    fn tokenizer_and_streaming_state_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Tokenizer>();
+        send_sync::<crate::detok::IncrementalDetokenizer>();
+        send_sync::<crate::detok::StopMatcher>();
+        send_sync::<crate::sampling::Sampler>();
     }
 
     #[test]

@@ -10,10 +10,12 @@
 //! (a full sort happens only when top-p genuinely needs most of it).
 //!
 //! Files: `params` (the request parameters), `penalties`, `filters` (top-k/top-p/min-p),
-//! `logprobs` (log-softmax helpers), `sampler` (the pipeline and the draw).
+//! `logprobs` (log-softmax helpers), `math` (vectorisable exp and sums), `sampler` (the pipeline
+//! and the draw).
 
 mod filters;
 mod logprobs;
+mod math;
 mod params;
 mod penalties;
 mod sampler;

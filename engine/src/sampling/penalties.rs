@@ -8,15 +8,32 @@
 //!
 //! Invariants: token ids at or beyond the logits row are ignored (never a panic); each token is
 //! penalised exactly once per kind however often it repeats; the scratch sets are reused between
-//! calls so a decode step allocates nothing once they have grown.
+//! calls so a decode step allocates nothing once they have grown; the prompt's distinct tokens
+//! are computed once and reused while the prompt (by length and fingerprint) is unchanged, so a
+//! step costs O(distinct prompt tokens + output) without hashing the prompt again.
 
 use std::collections::{HashMap, HashSet};
 
 /// Reusable scratch space for [`apply_penalties`].
 #[derive(Debug, Default)]
 pub(crate) struct PenaltyScratch {
+    /// `(length, fingerprint)` of the prompt the two fields below describe.
+    prompt_key: Option<(usize, u64)>,
+    prompt_set: HashSet<u32>,
+    prompt_distinct: Vec<u32>,
     seen: HashSet<u32>,
     counts: HashMap<u32, u32>,
+}
+
+/// FNV-1a over the token ids: cheap, and enough to notice a different prompt.
+fn fingerprint(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(0xCBF2_9CE4_8422_2325, |h, &t| {
+        (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01B3)
+    })
+}
+
+fn repetition(l: f32, r: f32) -> f32 {
+    if l > 0.0 { l / r } else { l * r }
 }
 
 /// The three penalty strengths; `1.0`, `0.0`, `0.0` is a no-op.
@@ -37,16 +54,26 @@ pub(crate) fn apply_penalties(
 ) {
     let vocab = logits.len();
     if pen.repetition != 1.0 {
+        let key = (prompt.len(), fingerprint(prompt));
+        if scratch.prompt_key != Some(key) {
+            scratch.prompt_set.clear();
+            scratch.prompt_distinct.clear();
+            for &t in prompt {
+                if scratch.prompt_set.insert(t) {
+                    scratch.prompt_distinct.push(t);
+                }
+            }
+            scratch.prompt_key = Some(key);
+        }
+        for &t in &scratch.prompt_distinct {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = repetition(*l, pen.repetition);
+            }
+        }
         scratch.seen.clear();
-        for &t in prompt.iter().chain(output) {
-            let i = t as usize;
-            if i < vocab && scratch.seen.insert(t) {
-                let l = logits[i];
-                logits[i] = if l > 0.0 {
-                    l / pen.repetition
-                } else {
-                    l * pen.repetition
-                };
+        for &t in output {
+            if (t as usize) < vocab && !scratch.prompt_set.contains(&t) && scratch.seen.insert(t) {
+                logits[t as usize] = repetition(logits[t as usize], pen.repetition);
             }
         }
     }
@@ -134,6 +161,26 @@ mod tests {
         // token 0: 6 / 2 = 3, then -1 -1*2 = 0.
         let out = run(&[6.0, 1.0], &[0], &[0, 0], pen);
         assert_eq!(out, vec![0.0, 1.0]);
+    }
+
+    #[test]
+    fn prompt_cache_follows_prompt_changes() {
+        let pen = Penalties {
+            repetition: 2.0,
+            ..NONE
+        };
+        let mut scratch = PenaltyScratch::default();
+        let mut run_with = |prompt: &[u32], output: &[u32]| {
+            let mut l = vec![4.0f32; 4];
+            apply_penalties(&mut l, prompt, output, pen, &mut scratch);
+            l
+        };
+        assert_eq!(run_with(&[0, 1], &[]), vec![2.0, 2.0, 4.0, 4.0]);
+        // Same prompt again (cached), output grows and overlaps the prompt.
+        assert_eq!(run_with(&[0, 1], &[1, 2, 2]), vec![2.0, 2.0, 2.0, 4.0]);
+        // A different prompt of the same length is noticed.
+        assert_eq!(run_with(&[3, 1], &[]), vec![4.0, 2.0, 4.0, 2.0]);
+        assert_eq!(run_with(&[], &[0]), vec![2.0, 4.0, 4.0, 4.0]);
     }
 
     #[test]

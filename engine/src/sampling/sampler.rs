@@ -9,14 +9,18 @@
 //!   filters left, so a seeded sequence replays identically from the same logits;
 //! - logprobs are the log-softmax of the penalised logits scaled by the temperature (scale 1
 //!   for greedy), over the whole vocabulary, before any truncation filter;
-//! - NaN logits are treated as `-inf` (never sampled unless nothing else is left);
-//! - scratch buffers are owned and reused, so a step allocates only the returned top-logprobs.
+//! - NaN logits are treated as `-inf` (never sampled unless nothing else is left) and `+inf` as
+//!   the largest finite f32;
+//! - scratch buffers are owned and reused, so a step allocates only the returned top-logprobs;
+//! - `exp` runs once per vocabulary entry per step: the weights computed for the draw also give
+//!   the log-sum-exp for the logprobs, and with no filter active the draw walks them directly.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::filters::{self, Candidate};
+use super::filters::{self, Candidate, FilterScratch};
 use super::logprobs::{log_sum_exp, logprob, top_logprobs};
+use super::math::{self, exp_into, sum_f64, weighted_index};
 use super::params::SamplingParams;
 use super::penalties::{Penalties, PenaltyScratch, apply_penalties};
 
@@ -52,8 +56,12 @@ pub struct Sampler {
     penalties: Option<Penalties>,
     logprobs: usize,
     rng: ChaCha8Rng,
+    /// Penalised logits; after temperature scaling, shifted so the maximum is 0.
     work: Vec<f32>,
+    /// `exp(work)` (non-greedy steps only).
+    weights: Vec<f32>,
     cands: Vec<Candidate>,
+    filter_scratch: FilterScratch,
     penalty_scratch: PenaltyScratch,
 }
 
@@ -76,7 +84,9 @@ impl Sampler {
             logprobs: params.logprobs.unwrap_or(0),
             rng: ChaCha8Rng::seed_from_u64(seed),
             work: Vec::new(),
+            weights: Vec::new(),
             cands: Vec::new(),
+            filter_scratch: FilterScratch::default(),
             penalty_scratch: PenaltyScratch::default(),
         }
     }
@@ -93,12 +103,13 @@ impl Sampler {
             "Sampler::sample called with an empty logits row"
         );
         self.work.clear();
-        // NaN → -inf; -0.0 → +0.0 so equal logits compare equal under total ordering.
+        // NaN → -inf; +inf → f32::MAX (so `l - max` stays a number); -0.0 → +0.0 so equal
+        // logits compare equal under total ordering.
         self.work.extend(logits.iter().map(|&l| {
             if l.is_nan() {
                 f32::NEG_INFINITY
             } else {
-                l + 0.0
+                l.min(f32::MAX) + 0.0
             }
         }));
         if let Some(pen) = self.penalties {
@@ -112,31 +123,61 @@ impl Sampler {
         }
         if self.temperature == 0.0 {
             let token = argmax(&self.work);
-            return self.finish(token);
+            let lse = log_sum_exp(&self.work, &mut self.weights);
+            return self.finish(token, lse);
         }
         self.scale_by_temperature();
-        self.cands.clear();
-        self.cands.extend(
-            self.work
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| **l > f32::NEG_INFINITY)
-                .map(|(i, &l)| Candidate {
-                    id: i as u32,
-                    logit: l,
-                }),
-        );
-        filters::top_k(&mut self.cands, self.top_k);
-        filters::top_p(&mut self.cands, self.top_p);
-        filters::min_p(&mut self.cands, self.min_p);
+        exp_into(&self.work, 0.0, &mut self.weights);
+        let total = sum_f64(&self.weights);
+        // The maximum of `work` is 0 (when finite), so ln(total) is the log-sum-exp.
+        let lse = if total > 0.0 {
+            total.ln() as f32
+        } else {
+            f32::NEG_INFINITY
+        };
         let u: f64 = self.rng.random();
-        let token = draw(&self.cands, u).unwrap_or_else(|| argmax(&self.work));
-        self.finish(token)
+        let filtered = (self.top_k != 0 && self.top_k < self.work.len())
+            || self.top_p < 1.0
+            || self.min_p > 0.0;
+        let token = if filtered {
+            self.filter(total);
+            draw(self.cands.iter().map(|c| (c.id, c.weight)), u)
+        } else {
+            weighted_index(&self.weights, u * total).map(|i| i as u32)
+        };
+        let token = token.unwrap_or_else(|| argmax(&self.work));
+        self.finish(token, lse)
+    }
+
+    /// Runs top-k → top-p → min-p over the row (`work`, `weights`, whose sum is `total`),
+    /// leaving the survivors in `cands`. The first active filter picks from the row directly.
+    fn filter(&mut self, total: f64) {
+        let (work, weights, scratch, cands) = (
+            &self.work,
+            &self.weights,
+            &mut self.filter_scratch,
+            &mut self.cands,
+        );
+        let k_active = self.top_k != 0 && self.top_k < work.len();
+        if k_active && self.top_k <= filters::TOP_K_HEAP_MAX {
+            filters::top_k_of_row(work, weights, self.top_k, scratch, cands);
+            filters::top_p(cands, self.top_p, scratch);
+        } else if k_active {
+            filters::all_of_row(work, weights, cands);
+            filters::top_k(cands, self.top_k);
+            filters::top_p(cands, self.top_p, scratch);
+        } else if self.top_p < 1.0 {
+            filters::top_p_of_row(work, weights, total, self.top_p, scratch, cands);
+        } else {
+            filters::min_p_of_row(work, weights, self.min_p, cands);
+            return;
+        }
+        filters::min_p(cands, self.min_p);
     }
 
     /// `work[i] = (work[i] - max) / T`: the largest becomes 0, nothing overflows even for tiny T.
     fn scale_by_temperature(&mut self) {
-        let max = self.work.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        let max = math::max_f32(&self.work);
         if !max.is_finite() {
             return;
         }
@@ -152,10 +193,9 @@ impl Sampler {
         }
     }
 
-    /// Builds the result from `work` (the distribution logprobs refer to).
-    fn finish(&mut self, token: u32) -> SampledToken {
-        let lse = log_sum_exp(&self.work);
-        let top = top_logprobs(&self.work, lse, self.logprobs, &mut self.cands);
+    /// Builds the result; `lse` is the log-sum-exp of `work` (the distribution logprobs use).
+    fn finish(&mut self, token: u32, lse: f32) -> SampledToken {
+        let top = top_logprobs(&self.work, lse, self.logprobs, &mut self.filter_scratch);
         SampledToken {
             token,
             logprob: logprob(self.work[token as usize], lse),
@@ -164,34 +204,33 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value, lowest index on ties (`-inf`/NaN-free input assumed; an all-`-inf`
-/// row gives 0).
+/// Index of the largest value, lowest index on ties (an all-`-inf` row gives 0).
 fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &l) in row.iter().enumerate().skip(1) {
-        if l > row[best] {
-            best = i;
-        }
-    }
-    best as u32
+    math::argmax(row).unwrap_or(0) as u32
 }
 
-/// Inverse-CDF draw over the candidates with weights `exp(l - max)`, `u` in `[0, 1)`.
-/// `None` only for an empty list.
-fn draw(cands: &[Candidate], u: f64) -> Option<u32> {
-    let last = cands.last()?;
-    let max = filters::max_logit(cands);
-    let total: f64 = cands.iter().map(|c| f64::from((c.logit - max).exp())).sum();
+/// Inverse-CDF draw over `(id, weight)` pairs, `u` in `[0, 1)`: returns the first id whose
+/// cumulative weight exceeds `u * total`, so zero weights are never chosen. `None` when the
+/// total weight is zero.
+fn draw(items: impl Iterator<Item = (u32, f32)> + Clone, u: f64) -> Option<u32> {
+    let total: f64 = items.clone().map(|(_, w)| f64::from(w)).sum();
+    if total <= 0.0 {
+        return None;
+    }
     let target = u * total;
     let mut cum = 0.0f64;
-    for c in cands {
-        cum += f64::from((c.logit - max).exp());
+    let mut last_positive = None;
+    for (id, w) in items {
+        cum += f64::from(w);
+        if w > 0.0 {
+            last_positive = Some(id);
+        }
         if target < cum {
-            return Some(c.id);
+            return Some(id);
         }
     }
-    // Rounding left target at (or past) the total: the last candidate owns that sliver.
-    Some(last.id)
+    // Only reachable through rounding: the last token with weight owns that sliver.
+    last_positive
 }
 
 #[cfg(test)]
@@ -434,18 +473,24 @@ mod tests {
             assert_eq!(t.logprob, 0.0);
         }
         assert_eq!(s.sample(&[5.0], &[], &[]).token, 0);
+        // +inf wins without producing NaN, greedy or not.
+        for p in [SamplingParams::greedy(), params(|p| p.top_p = 0.5)] {
+            let mut s = Sampler::new(&p, 0);
+            let out = s.sample(&[1.0, f32::INFINITY, 2.0], &[], &[]);
+            assert_eq!(out.token, 1);
+            assert!(!out.logprob.is_nan());
+        }
     }
 
     #[test]
-    fn draw_covers_the_unit_interval() {
-        let c = [
-            Candidate { id: 4, logit: 0.0 },
-            Candidate { id: 9, logit: 0.0 },
-        ];
-        assert_eq!(draw(&c, 0.0), Some(4));
-        assert_eq!(draw(&c, 0.49), Some(4));
-        assert_eq!(draw(&c, 0.5), Some(9));
-        assert_eq!(draw(&c, 0.999_999), Some(9));
-        assert_eq!(draw(&[], 0.3), None);
+    fn draw_covers_the_unit_interval_and_skips_zero_weights() {
+        let c = [(4u32, 1.0f32), (5, 0.0), (9, 1.0), (11, 0.0)];
+        assert_eq!(draw(c.iter().copied(), 0.0), Some(4));
+        assert_eq!(draw(c.iter().copied(), 0.49), Some(4));
+        assert_eq!(draw(c.iter().copied(), 0.5), Some(9));
+        assert_eq!(draw(c.iter().copied(), 0.999_999), Some(9));
+        assert_eq!(draw(c.iter().copied(), 1.0), Some(9));
+        assert_eq!(draw([(1u32, 0.0f32)].into_iter(), 0.3), None);
+        assert_eq!(draw(std::iter::empty(), 0.3), None);
     }
 }
