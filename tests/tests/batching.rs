@@ -13,6 +13,11 @@ fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() }
 }
 
+/// Greedy with exactly `max_tokens` tokens (EOS does not end the sequence).
+fn fixed(max_tokens: usize) -> SamplingParams {
+    SamplingParams { ignore_eos: true, ..greedy(max_tokens) }
+}
+
 /// Sixteen prompts of clearly different lengths (8 to ~400 tokens).
 fn prompts() -> Vec<Prompt> {
     let animals = ["cat", "dog", "owl", "fox", "whale", "horse", "eagle", "turtle"];
@@ -77,14 +82,14 @@ fn prefix_cache_hits_give_exactly_the_cold_tokens() {
     let a = Prompt::Text(format!("{shared}Summarise the first part."));
     let b = Prompt::Text(format!("{shared}List three risks."));
     let mut cold = Engine::load(&dir, EngineConfig { enable_prefix_caching: false, ..EngineConfig::default() }).unwrap();
-    let cold_a = cold.generate(&a, greedy(20)).unwrap().remove(0).token_ids;
-    let cold_b = cold.generate(&b, greedy(20)).unwrap().remove(0).token_ids;
+    let cold_a = cold.generate(&a, fixed(20)).unwrap().remove(0).token_ids;
+    let cold_b = cold.generate(&b, fixed(20)).unwrap().remove(0).token_ids;
     drop(cold);
 
     let mut warm = Engine::load(&dir, EngineConfig::default()).unwrap();
-    assert_eq!(warm.generate(&a, greedy(20)).unwrap().remove(0).token_ids, cold_a);
+    assert_eq!(warm.generate(&a, fixed(20)).unwrap().remove(0).token_ids, cold_a);
     for (prompt, want) in [(&a, &cold_a), (&b, &cold_b)] {
-        let id = warm.add_request(prompt, greedy(20)).unwrap();
+        let id = warm.add_request(prompt, fixed(20)).unwrap();
         let mut tokens = Vec::new();
         let mut cached = None;
         while warm.has_unfinished() {
