@@ -15,7 +15,27 @@ pub fn tandem_bin() -> PathBuf {
     let profile_dir = exe.parent().and_then(Path::parent).expect("test binaries live in target/<profile>/deps");
     let bin = profile_dir.join("tandem");
     assert!(bin.is_file(), "{} is missing: build it first (cargo build -p tandem-cli) or set TANDEM_BIN", bin.display());
+    // `cargo test` does not rebuild another package's binary: refuse to test a stale one.
+    let built = std::fs::metadata(&bin).and_then(|m| m.modified()).expect("binary mtime");
+    if let Some(newer) = ["cli/src", "engine/src", "kernels/src"].iter().find_map(|d| newer_than(&repo_root().join(d), built)) {
+        panic!("{} is older than {}: rebuild it (cargo build -p tandem-cli) or run scripts/test.sh", bin.display(), newer.display());
+    }
     bin
+}
+
+/// The first file under `dir` modified after `time`, if any.
+fn newer_than(dir: &Path, time: std::time::SystemTime) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            if let Some(p) = newer_than(&path, time) {
+                return Some(p);
+            }
+        } else if entry.metadata().and_then(|m| m.modified()).is_ok_and(|m| m > time) {
+            return Some(path);
+        }
+    }
+    None
 }
 
 /// The repository root.

@@ -47,6 +47,15 @@ pub fn import_gguf(
     progress: &mut dyn FnMut(&ImportProgress),
 ) -> Result<ImportSummary> {
     let g = GgufFile::open(file)?;
+    // Fail fast, before any metadata is interpreted, on a tensor type tandem cannot convert.
+    if let Some(t) = g.tensors().iter().find(|t| t.ggml_type.layout().is_none()) {
+        return Err(g.error(format!(
+            "tensor {} has type {} which tandem cannot convert (supported: {})",
+            t.name,
+            t.ggml_type,
+            super::GgmlType::convertible_list()
+        )));
+    }
     let architecture = g
         .get("general.architecture")
         .ok_or_else(|| g.error("metadata general.architecture is missing"))?
@@ -128,14 +137,6 @@ fn plan_tensors(g: &GgufFile, p: &LlamaParams, dtype: OutDtype) -> Result<Vec<Pl
         else {
             continue;
         };
-        if t.ggml_type.layout().is_none() {
-            return Err(g.error(format!(
-                "tensor {} has type {} which tandem cannot convert (supported: {})",
-                t.name,
-                t.ggml_type,
-                super::GgmlType::convertible_list()
-            )));
-        }
         let elems: usize = shape.iter().product();
         let out_bytes = elems
             .checked_mul(dtype.size())
