@@ -6,6 +6,8 @@
 //! the network can be written straight into place by its [`BlockId`]. Within a block, the keys of
 //! one KV head for all slots come first, then the next head, and the values follow all keys.
 
+use tandem_kernels::cpu::PagedLayout;
+
 use super::BlockId;
 
 /// Shape of the paged KV storage. The scheduler never touches the storage; the backend allocates
@@ -25,15 +27,15 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// Elements of one head's keys (or values) for all slots of one block.
-    fn head_elems(&self) -> usize {
-        self.block_size * self.head_dim
+    /// The per-layer geometry the kernels work with (the one source of the offset arithmetic).
+    pub fn paged(&self) -> PagedLayout {
+        PagedLayout { block_size: self.block_size, num_kv_heads: self.num_kv_heads, head_dim: self.head_dim }
     }
 
     /// Elements of one block in one layer: keys and values of every KV head for every slot,
     /// `2 * num_kv_heads * block_size * head_dim`.
     pub fn block_elems(&self) -> usize {
-        2 * self.num_kv_heads * self.head_elems()
+        self.paged().block_elems()
     }
 
     /// Elements of one layer's whole buffer, `num_blocks * block_elems()`.
@@ -56,13 +58,14 @@ impl KvLayout {
     /// `kv_head < num_kv_heads` and `slot < block_size`.
     pub fn k_offset(&self, block: BlockId, kv_head: usize, slot: usize) -> usize {
         debug_assert!(kv_head < self.num_kv_heads && slot < self.block_size);
-        self.block_offset(block) + (kv_head * self.block_size + slot) * self.head_dim
+        self.paged().k_offset(block.0, kv_head, slot)
     }
 
     /// Offset (inside one layer's buffer) of the value vector of `kv_head` at `slot` of `block`.
     /// Values of a block start right after all of its keys.
     pub fn v_offset(&self, block: BlockId, kv_head: usize, slot: usize) -> usize {
-        self.k_offset(block, kv_head, slot) + self.num_kv_heads * self.head_elems()
+        debug_assert!(kv_head < self.num_kv_heads && slot < self.block_size);
+        self.paged().v_offset(block.0, kv_head, slot)
     }
 
     /// The block and slot holding token position `pos` of a sequence with block table `table`,

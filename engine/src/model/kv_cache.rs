@@ -1,5 +1,5 @@
-//! The CPU KV cache: one f32 buffer per layer in the paged layout of
-//! [`tandem_kernels::cpu::PagedLayout`] (`[num_blocks][K, V][kv_heads][block_size][head_dim]`).
+//! The CPU KV cache: one f32 buffer per layer in the paged layout [`KvLayout`] documents
+//! (`[num_blocks][K, V][kv_heads][block_size][head_dim]`).
 //!
 //! Invariant: one layer's block is one contiguous slice ([`KvCache::block`]), so a KV transfer
 //! can send a request's blocks of one layer as a unit and write a received block in place
@@ -8,20 +8,26 @@
 use tandem_kernels::cpu::PagedLayout;
 
 use crate::config::ModelConfig;
+use crate::kv::KvLayout;
 
 /// K/V for every layer and block of the pool.
 pub struct KvCache {
-    layout: PagedLayout,
-    num_blocks: usize,
+    layout: KvLayout,
     layers: Vec<Vec<f32>>,
 }
 
 impl KvCache {
     /// Allocates `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
-        let layout = PagedLayout { block_size, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
-        let layers = (0..cfg.num_layers).map(|_| vec![0.0f32; num_blocks * layout.block_elems()]).collect();
-        KvCache { layout, num_blocks, layers }
+        let layout = KvLayout {
+            num_layers: cfg.num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        let layers = (0..cfg.num_layers).map(|_| vec![0.0f32; layout.layer_elems()]).collect();
+        KvCache { layout, layers }
     }
 
     /// Bytes one block takes across all layers (for sizing a pool from a memory budget).
@@ -29,14 +35,19 @@ impl KvCache {
         2 * cfg.num_kv_heads * block_size * cfg.head_dim * cfg.num_layers * std::mem::size_of::<f32>()
     }
 
-    /// The per-layer geometry.
-    pub fn layout(&self) -> PagedLayout {
+    /// The whole cache's geometry.
+    pub fn layout(&self) -> KvLayout {
         self.layout
+    }
+
+    /// The per-layer geometry the kernels take.
+    pub fn paged(&self) -> PagedLayout {
+        self.layout.paged()
     }
 
     /// Blocks in the pool.
     pub fn num_blocks(&self) -> usize {
-        self.num_blocks
+        self.layout.num_blocks
     }
 
     /// Layers in the cache.

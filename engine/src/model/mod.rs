@@ -102,7 +102,7 @@ impl Model {
         let cfg = &self.cfg;
         let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let layout = kv.layout();
+        let layout = kv.paged();
         let total: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         let mut positions = Vec::with_capacity(total);
         let mut x = Vec::with_capacity(total * h);
