@@ -380,10 +380,8 @@ impl Engine {
         let logits = self.model.forward(&batch, &mut self.kv)?;
         let vocab = self.model.config().vocab_size;
         let mut outputs = Vec::new();
-        let mut row = 0;
-        for chunk in schedule.chunks.iter().filter(|c| c.sample) {
+        for (row, chunk) in schedule.chunks.iter().filter(|c| c.sample).enumerate() {
             let logits_row = &logits[row * vocab..(row + 1) * vocab];
-            row += 1;
             let Some(req) = self.requests.get_mut(&chunk.seq.request) else { continue };
             let mut sampled = Vec::with_capacity(chunk.num_samples);
             if chunk.num_samples > 1 {

@@ -95,7 +95,7 @@ fn gguf(ggml_type: u32, data_len: usize) -> Vec<u8> {
     out.extend(4u64.to_le_bytes());
     out.extend(ggml_type.to_le_bytes());
     out.extend(0u64.to_le_bytes());
-    while out.len() % 32 != 0 {
+    while !out.len().is_multiple_of(32) {
         out.push(0);
     }
     out.extend((0..data_len).map(|i| (i * 37 % 251) as u8));
