@@ -4,7 +4,7 @@
 //! Invariant: a query at position `p` attends to exactly positions `0..=p` of its own sequence,
 //! read through that sequence's block table; GQA maps query head `h` to KV head
 //! `h / (num_heads / num_kv_heads)`. Scores, softmax and the weighted sum of values are f32, with
-//! dot products and `o += p·v` vectorised when the CPU allows (see `simd.rs`).
+//! dot products and weighted sums of value rows vectorised when the CPU allows (see `simd.rs`).
 
 use rayon::prelude::*;
 
@@ -49,8 +49,10 @@ struct AttentionInputs<'a> {
 
 /// [`paged_attention`] with the vector instruction set chosen by the caller (tests force each).
 ///
-/// Work items are (token, query head) pairs, run in parallel; each walks its sequence's blocks in
-/// order, so the keys (values) of one block and head are one contiguous run.
+/// Work items are (token, KV head) pairs, run in parallel: an item computes the `group` query
+/// heads that share the KV head, so each block's keys and values are fetched once for all of
+/// them. It walks its sequence's blocks in order; the keys (values) of one block and head are one
+/// contiguous run.
 fn paged_attention_with(isa: Isa, inputs: &AttentionInputs<'_>, out: &mut [f32]) {
     let &AttentionInputs { q, chunks, layer, layout, num_heads } = inputs;
     let hd = layout.head_dim;
@@ -68,44 +70,52 @@ fn paged_attention_with(isa: Isa, inputs: &AttentionInputs<'_>, out: &mut [f32])
         owner[chunk.first_token..chunk.first_token + chunk.len].fill(c);
     }
     assert!(owner.iter().all(|&o| o != usize::MAX), "every token must belong to a chunk");
-    let per_head = |scores: &mut Vec<f32>, (item, oh): (usize, &mut [f32])| {
-        let (t, h) = (item / num_heads, item % num_heads);
+    // One item: token t, KV head kvh; `o` is out[t, kvh*group .. (kvh+1)*group, :].
+    let per_item = |scores: &mut Vec<f32>, (item, o): (usize, &mut [f32])| {
+        let (t, kvh) = (item / layout.num_kv_heads, item % layout.num_kv_heads);
         let chunk = &chunks[owner[t]];
         let ctx = chunk.start_pos + (t - chunk.first_token) + 1;
-        let kvh = h / group;
-        let qh = &q[item * hd..(item + 1) * hd];
+        let qs = &q[item * group * hd..(item + 1) * group * hd];
         scores.clear();
-        scores.resize(ctx, 0.0);
-        // Scores, block by block.
-        for (b, s_block) in scores.chunks_mut(bs).enumerate() {
+        scores.resize(group * ctx, 0.0);
+        // Scores, block by block: row g of `scores` is query head g's.
+        for (b, j0) in (0..ctx).step_by(bs).enumerate() {
+            let n = bs.min(ctx - j0);
             let ko = layout.k_offset(chunk.block_table[b], kvh, 0);
-            let keys = &layer[ko..ko + s_block.len() * hd];
-            for (s, key) in s_block.iter_mut().zip(keys.chunks_exact(hd)) {
-                *s = simd::dot(isa, qh, key) * scale;
+            let keys = &layer[ko..ko + n * hd];
+            for (qh, s_row) in qs.chunks_exact(hd).zip(scores.chunks_exact_mut(ctx)) {
+                simd::dots(isa, qh, keys, scale, &mut s_row[j0..j0 + n]);
             }
         }
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
+        // Softmax per head, normalised before the values are summed.
+        for s_row in scores.chunks_exact_mut(ctx) {
+            let max = s_row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for s in s_row.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            for s in s_row.iter_mut() {
+                *s *= inv;
+            }
         }
-        let inv = 1.0 / sum;
-        oh.fill(0.0);
-        for (b, s_block) in scores.chunks(bs).enumerate() {
+        o.fill(0.0);
+        for (b, j0) in (0..ctx).step_by(bs).enumerate() {
+            let n = bs.min(ctx - j0);
             let vo = layout.v_offset(chunk.block_table[b], kvh, 0);
-            let values = &layer[vo..vo + s_block.len() * hd];
-            for (s, value) in s_block.iter().zip(values.chunks_exact(hd)) {
-                simd::axpy(isa, s * inv, value, oh);
+            let values = &layer[vo..vo + n * hd];
+            for (oh, s_row) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(ctx)) {
+                simd::weighted_rows(isa, &s_row[j0..j0 + n], values, oh);
             }
         }
     };
     let work: usize = chunks.iter().map(|c| c.len * (c.start_pos + c.len)).sum::<usize>() * num_heads * hd;
     if work < 1 << 16 {
         let mut scores = Vec::new();
-        out.chunks_mut(hd).enumerate().for_each(|it| per_head(&mut scores, it));
+        out.chunks_mut(group * hd).enumerate().for_each(|it| per_item(&mut scores, it));
     } else {
-        out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, per_head);
+        out.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, per_item);
     }
 }
 

@@ -12,7 +12,7 @@ use super::simd::Isa;
 
 /// Largest `m` routed to the small-`m` kernel (measured crossover with `gemm` on Zen 4, both
 /// cores: see `kernels/benches/matmul.rs`).
-const SMALL_M_MAX: usize = 48;
+const SMALL_M_MAX: usize = 128;
 
 /// Computes `out[m, n] = x[m, k] · w[n, k]ᵀ`, overwriting `out`, with the fastest path for the
 /// shape and this CPU.

@@ -1,11 +1,12 @@
-//! Run-time choice of the instruction set the CPU kernels use, and the small vector helpers
-//! (dot product, `y += a·x`) that attention is built from.
+//! Run-time choice of the instruction set the CPU kernels use, and the vector helpers attention
+//! is built from: scores of one query against a run of keys, and a weighted sum of a run of value
+//! rows.
 //!
 //! The crate is compiled for baseline x86-64 (no `-C target-cpu`), so every SIMD routine lives in
 //! a `#[target_feature]` function that is only called after [`Isa::detect`] has confirmed the
-//! features at run time. Invariant: every kernel has a portable path, reachable through
-//! [`Isa::Portable`], that computes the same sums in the same lane order (8 partial sums, summed
-//! pairwise at the end), so the SIMD paths differ from it only by FMA rounding.
+//! features at run time. Invariant: every helper has a portable path, reachable through
+//! [`Isa::Portable`], that computes the same f32 sums (dot products in 8 partial sums, weighted
+//! sums accumulated row by row), so the paths differ only by f32 rounding (FMA, summation order).
 
 use std::sync::OnceLock;
 
@@ -59,36 +60,44 @@ impl Isa {
     }
 }
 
-/// `Σ a[i]·b[i]` with 8 interleaved partial sums. `a` and `b` must have the same length.
-pub(crate) fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "dot: lengths differ");
+/// `out[j] = scale · (q · rows[j])` for the `out.len()` rows of `rows` (each `q.len()` long).
+pub(crate) fn dots(isa: Isa, q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+    assert_eq!(rows.len(), out.len() * q.len(), "dots: rows must be [out.len(), q.len()]");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced by `Isa::detect` (and the
-        // test helper built on it) after AVX2 and FMA were detected on this CPU.
-        Isa::Avx512 | Isa::Avx2 => unsafe { x86::dot(a, b) },
-        Isa::Portable => dot_portable(a, b),
-    }
-}
-
-/// `y[i] += alpha·x[i]`. `x` and `y` must have the same length.
-pub(crate) fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
-    assert_eq!(x.len(), y.len(), "axpy: lengths differ");
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `dot`: AVX2 and FMA were detected before this variant was produced.
-        Isa::Avx512 | Isa::Avx2 => unsafe { x86::axpy(alpha, x, y) },
+        // test helper built on it) after AVX2 and FMA were detected on this CPU; the lengths were
+        // checked above.
+        Isa::Avx512 | Isa::Avx2 => unsafe { x86::dots(q, rows, scale, out) },
         Isa::Portable => {
-            for (o, v) in y.iter_mut().zip(x) {
-                *o += alpha * v;
+            for (o, row) in out.iter_mut().zip(rows.chunks_exact(q.len().max(1))) {
+                *o = dot_portable(q, row) * scale;
             }
         }
     }
 }
 
-/// Sums 8 lanes in the order the SIMD paths use: (0+4, 1+5, 2+6, 3+7), then pairs, then the last
-/// two.
-pub(crate) fn reduce8(l: [f32; 8]) -> f32 {
+/// `out += Σ_j p[j] · rows[j]` for the `p.len()` rows of `rows` (each `out.len()` long),
+/// accumulated row by row.
+pub(crate) fn weighted_rows(isa: Isa, p: &[f32], rows: &[f32], out: &mut [f32]) {
+    assert_eq!(rows.len(), p.len() * out.len(), "weighted_rows: rows must be [p.len(), out.len()]");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `dots`: AVX2 and FMA were detected before this variant was produced;
+        // the lengths were checked above.
+        Isa::Avx512 | Isa::Avx2 => unsafe { x86::weighted_rows(p, rows, out) },
+        Isa::Portable => {
+            for (&pj, row) in p.iter().zip(rows.chunks_exact(out.len().max(1))) {
+                for (o, v) in out.iter_mut().zip(row) {
+                    *o += pj * v;
+                }
+            }
+        }
+    }
+}
+
+/// Sums 8 lanes pairwise: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
+fn reduce8(l: [f32; 8]) -> f32 {
     let q = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
     let p = [q[0] + q[2], q[1] + q[3]];
     p[0] + p[1]
@@ -123,49 +132,103 @@ pub(crate) mod x86 {
         _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps::<0b01>(p, p)))
     }
 
-    /// See [`super::dot`].
+    /// See [`super::dots`]. Four keys at a time, each in one 8-lane accumulator, reduced together.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `a.len() == b.len()`.
+    /// The CPU must support AVX2 and FMA; `rows.len() == out.len() * q.len()`.
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let body = n - n % 8;
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < body {
-            // SAFETY: i + 8 <= body <= len of both slices, so both 8-float loads are in bounds.
-            let (x, y) = unsafe { (_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i))) };
-            acc = _mm256_fmadd_ps(x, y, acc);
-            i += 8;
+    pub(crate) unsafe fn dots(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+        let hd = q.len();
+        let body = hd - hd % 8;
+        let (qp, rp) = (q.as_ptr(), rows.as_ptr());
+        let tail = |j: usize| -> f32 {
+            let mut t = 0.0f32;
+            for d in body..hd {
+                t += q[d] * rows[j * hd + d];
+            }
+            t
+        };
+        let n = out.len();
+        let mut j = 0;
+        while j + 4 <= n {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut d = 0;
+            while d < body {
+                // SAFETY: d + 8 <= body <= hd, so the 8 floats at d lie inside q.
+                let qv = unsafe { _mm256_loadu_ps(qp.add(d)) };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: j + i < n and d + 8 <= hd, so the 8 floats at (j+i)*hd + d lie
+                    // inside rows' n*hd.
+                    let kv = unsafe { _mm256_loadu_ps(rp.add((j + i) * hd + d)) };
+                    *a = _mm256_fmadd_ps(qv, kv, *a);
+                }
+                d += 8;
+            }
+            // Horizontal sums of the four accumulators at once: lane i of `s` is key j+i's sum.
+            let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+            let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+            let h = _mm256_hadd_ps(h01, h23);
+            let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            let mut sums = [0.0f32; 4];
+            // SAFETY: `sums` holds exactly 4 floats.
+            unsafe { _mm_storeu_ps(sums.as_mut_ptr(), s) };
+            for (i, sum) in sums.iter().enumerate() {
+                out[j + i] = (sum + tail(j + i)) * scale;
+            }
+            j += 4;
         }
-        let mut tail = 0.0f32;
-        for j in body..n {
-            tail += a[j] * b[j];
+        while j < n {
+            let mut acc = _mm256_setzero_ps();
+            let mut d = 0;
+            while d < body {
+                // SAFETY: d + 8 <= hd and j < n: both loads lie inside q and rows.
+                let (qv, kv) = unsafe { (_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(rp.add(j * hd + d))) };
+                acc = _mm256_fmadd_ps(qv, kv, acc);
+                d += 8;
+            }
+            out[j] = (hsum(acc) + tail(j)) * scale;
+            j += 1;
         }
-        hsum(acc) + tail
     }
 
-    /// See [`super::axpy`].
+    /// See [`super::weighted_rows`]. The output is kept in registers 32 floats at a time while
+    /// all rows stream past; every element still accumulates row by row.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `x.len() == y.len()`.
+    /// The CPU must support AVX2 and FMA; `rows.len() == p.len() * out.len()`.
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-        let n = x.len().min(y.len());
-        let body = n - n % 8;
-        let a = _mm256_set1_ps(alpha);
-        let mut i = 0;
-        while i < body {
-            // SAFETY: i + 8 <= body <= len of both slices; `y` is a unique borrow.
-            unsafe {
-                let v = _mm256_fmadd_ps(a, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(y.as_ptr().add(i)));
-                _mm256_storeu_ps(y.as_mut_ptr().add(i), v);
+    pub(crate) unsafe fn weighted_rows(p: &[f32], rows: &[f32], out: &mut [f32]) {
+        let hd = out.len();
+        let body = hd - hd % 8;
+        let rp = rows.as_ptr();
+        let op = out.as_mut_ptr();
+        let mut d0 = 0;
+        while d0 < body {
+            let width = (body - d0).min(32) / 8;
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for (i, a) in acc.iter_mut().enumerate().take(width) {
+                // SAFETY: i < width, so d0 + 8i + 8 <= body <= hd: inside out.
+                *a = unsafe { _mm256_loadu_ps(op.add(d0 + 8 * i)) };
             }
-            i += 8;
+            for (j, &pj) in p.iter().enumerate() {
+                let pv = _mm256_set1_ps(pj);
+                for (i, a) in acc.iter_mut().enumerate().take(width) {
+                    // SAFETY: j < p.len() and d0 + 8i + 8 <= hd, so the load lies inside rows'
+                    // p.len()*hd floats.
+                    let v = unsafe { _mm256_loadu_ps(rp.add(j * hd + d0 + 8 * i)) };
+                    *a = _mm256_fmadd_ps(pv, v, *a);
+                }
+            }
+            for (i, a) in acc.iter().enumerate().take(width) {
+                // SAFETY: as for the loads above; `out` is a unique borrow.
+                unsafe { _mm256_storeu_ps(op.add(d0 + 8 * i), *a) };
+            }
+            d0 += 8 * width;
         }
-        for j in body..n {
-            y[j] += alpha * x[j];
+        for d in body..hd {
+            for (j, &pj) in p.iter().enumerate() {
+                out[d] += pj * rows[j * hd + d];
+            }
         }
     }
 }
@@ -176,21 +239,29 @@ mod tests {
     use rand::{Rng, SeedableRng, rngs::SmallRng};
 
     #[test]
-    fn dot_and_axpy_match_f64_on_every_path() {
+    fn dots_and_weighted_rows_match_f64_on_every_path() {
         let mut rng = SmallRng::seed_from_u64(11);
         for isa in Isa::all_available() {
-            for len in [0usize, 1, 7, 8, 9, 64, 67, 130] {
-                let a: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0)).collect();
-                let b: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0)).collect();
-                let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-                let got = dot(isa, &a, &b);
-                assert!((got as f64 - want).abs() < 1e-5, "{isa:?} len {len}: dot {got} vs {want}");
-                let alpha = rng.random_range(-2.0f32..2.0);
-                let mut y = b.clone();
-                axpy(isa, alpha, &a, &mut y);
-                for i in 0..len {
-                    let want = b[i] as f64 + alpha as f64 * a[i] as f64;
-                    assert!((y[i] as f64 - want).abs() < 1e-6, "{isa:?} len {len}: axpy[{i}] {} vs {want}", y[i]);
+            for hd in [1usize, 7, 8, 9, 20, 64, 67, 130] {
+                for n in [0usize, 1, 3, 4, 5, 16, 17] {
+                    let q: Vec<f32> = (0..hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+                    let rows: Vec<f32> = (0..n * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+                    let scale = rng.random_range(0.1f32..2.0);
+                    let mut out = vec![f32::NAN; n];
+                    dots(isa, &q, &rows, scale, &mut out);
+                    for j in 0..n {
+                        let want: f64 = scale as f64
+                            * q.iter().zip(&rows[j * hd..(j + 1) * hd]).map(|(x, y)| *x as f64 * *y as f64).sum::<f64>();
+                        assert!((out[j] as f64 - want).abs() < 1e-5, "{isa:?} hd {hd} n {n}: dots[{j}] {} vs {want}", out[j]);
+                    }
+                    let p: Vec<f32> = (0..n).map(|_| rng.random_range(0.0..1.0)).collect();
+                    let start: Vec<f32> = (0..hd).map(|_| rng.random_range(-1.0..1.0)).collect();
+                    let mut acc = start.clone();
+                    weighted_rows(isa, &p, &rows, &mut acc);
+                    for d in 0..hd {
+                        let want = start[d] as f64 + (0..n).map(|j| p[j] as f64 * rows[j * hd + d] as f64).sum::<f64>();
+                        assert!((acc[d] as f64 - want).abs() < 1e-5, "{isa:?} hd {hd} n {n}: weighted[{d}] {} vs {want}", acc[d]);
+                    }
                 }
             }
         }
