@@ -79,8 +79,17 @@ fn paged_attention_with(isa: Isa, inputs: &AttentionInputs<'_>, out: &mut [f32])
         scores.clear();
         scores.resize(group * ctx, 0.0);
         // Scores, block by block: row g of `scores` is query head g's.
+        let blocks = ctx.div_ceil(bs);
         for (b, j0) in (0..ctx).step_by(bs).enumerate() {
             let n = bs.min(ctx - j0);
+            // Blocks are scattered: fetch the next block's keys and this block's values (used
+            // after the softmax) into L2 while this block's scores are computed.
+            if b + 1 < blocks {
+                let next = layout.k_offset(chunk.block_table[b + 1], kvh, 0);
+                simd::prefetch_l2(&layer[next..next + bs.min(ctx - j0 - n) * hd]);
+            }
+            let vo = layout.v_offset(chunk.block_table[b], kvh, 0);
+            simd::prefetch_l2(&layer[vo..vo + n * hd]);
             let ko = layout.k_offset(chunk.block_table[b], kvh, 0);
             let keys = &layer[ko..ko + n * hd];
             for (qh, s_row) in qs.chunks_exact(hd).zip(scores.chunks_exact_mut(ctx)) {
