@@ -213,11 +213,6 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(ops: Operands<'_>, res: &mut
 unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &mut TileOut) {
     use std::arch::x86_64::*;
     let Operands { w, x, k, prefetch } = ops;
-    if R == 1 && C == 1 {
-        // SAFETY: the caller's contract: AVX-512F/VL and FMA are available, w and x hold k floats.
-        res[0][0] = unsafe { dot_avx512(w, x, k, prefetch) };
-        return;
-    }
     let (wp, xp) = (w.as_ptr(), x.as_ptr());
     let body = k - k % 16;
     let mut acc = [[_mm512_setzero_ps(); C]; R];
@@ -261,42 +256,6 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &m
             res[r][c] = _mm512_reduce_add_ps(acc[r][c]);
         }
     }
-}
-
-/// One weight row against one row of `x` (`m = 1`, memory-bound): four independent accumulators
-/// so that the loads run ahead of the FMA latency chain, and a prefetch of the row `prefetch`
-/// points to (never dereferenced).
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX-512VL and FMA; `w.len() >= k` and `x.len() >= k`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn dot_avx512(w: &[f32], x: &[f32], k: usize, prefetch: *const f32) -> f32 {
-    use std::arch::x86_64::*;
-    let (wp, xp) = (w.as_ptr(), x.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let body = k - k % 64;
-    let mut t = 0;
-    while t < body {
-        for u in 0..4 {
-            _mm_prefetch::<_MM_HINT_T2>(prefetch.wrapping_add(t + 16 * u).cast());
-        }
-        for (u, a) in acc.iter_mut().enumerate() {
-            // SAFETY: t + 64 <= k, so the 16 floats at t + 16u lie inside both slices.
-            let (wv, xv) = unsafe { (_mm512_loadu_ps(wp.add(t + 16 * u)), _mm512_loadu_ps(xp.add(t + 16 * u))) };
-            *a = _mm512_fmadd_ps(wv, xv, *a);
-        }
-        t += 64;
-    }
-    while t < k {
-        let lanes = (k - t).min(16);
-        let mask: __mmask16 = ((1u32 << lanes) - 1) as u16;
-        // SAFETY: the mask enables floats t .. t + lanes <= k only, inside both slices.
-        let (wv, xv) = unsafe { (_mm512_maskz_loadu_ps(mask, wp.add(t)), _mm512_maskz_loadu_ps(mask, xp.add(t))) };
-        acc[0] = _mm512_fmadd_ps(wv, xv, acc[0]);
-        t += 16;
-    }
-    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])))
 }
 
 #[cfg(test)]
@@ -344,6 +303,27 @@ mod tests {
                         (*got as f64 - want).abs() <= tol,
                         "{isa:?} m={m} k={k} n={n} at {idx}: got {got}, want {want}"
                     );
+                }
+            }
+        }
+    }
+
+    /// A row's result must not depend on which other rows share the call (bitwise), so that a
+    /// sequence decodes the same tokens alone and in any batch.
+    #[test]
+    fn each_row_is_independent_of_the_rest_of_the_batch() {
+        let mut rng = SmallRng::seed_from_u64(33);
+        let (k, n) = (77, 45);
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        for isa in Isa::all_available().into_iter().filter(|i| *i != Isa::Portable) {
+            for m in [2usize, 3, 9, 16, 40] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let mut all = vec![f32::NAN; m * n];
+                matmul_t_skinny(isa, &x, &w, &mut all, m, k, n);
+                for i in 0..m {
+                    let mut one = vec![f32::NAN; n];
+                    matmul_t_skinny(isa, &x[i * k..(i + 1) * k], &w, &mut one, 1, k, n);
+                    assert_eq!(one, all[i * n..(i + 1) * n], "{isa:?}: row {i} of {m} differs from the row alone");
                 }
             }
         }
