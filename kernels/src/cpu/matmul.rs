@@ -1,10 +1,39 @@
-//! `out = x · wᵀ` for row-major `x` [m, k] and `w` [n, k] (the PyTorch `Linear` weight layout),
-//! multi-threaded through the `gemm` crate.
+//! `out = x · wᵀ` for row-major `x` [m, k] and `w` [n, k] (the PyTorch `Linear` weight layout).
+//!
+//! Few rows of `x` (decode) go to the small-`m` kernel in `skinny.rs` when the CPU has AVX2/FMA;
+//! everything else, and every CPU without them, goes to the `gemm` crate (which packs both
+//! operands and reaches peak FLOP rate once `m` is large enough to amortise the packing).
+//! Invariant: both paths compute every output as an f32 sum over the whole of `k`, so they agree
+//! up to f32 rounding.
 
 use gemm::Parallelism;
 
-/// Computes `out[m, n] = x[m, k] · w[n, k]ᵀ`, overwriting `out`.
+use super::simd::Isa;
+
+/// Largest `m` routed to the small-`m` kernel (measured crossover with `gemm` on Zen 4, both
+/// cores: see `kernels/benches/matmul.rs`).
+const SMALL_M_MAX: usize = 128;
+
+/// Computes `out[m, n] = x[m, k] · w[n, k]ᵀ`, overwriting `out`, with the fastest path for the
+/// shape and this CPU.
 pub fn matmul_t(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
+    let isa = if m <= SMALL_M_MAX { Isa::detect() } else { Isa::Portable };
+    matmul_t_with(isa, x, w, out, (m, k, n));
+}
+
+/// [`matmul_t`] forced through the small-`m` kernel whatever `m` is (falls back to `gemm` on a
+/// CPU without AVX2/FMA). For benchmarks and tests.
+pub fn matmul_t_small_m(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
+    matmul_t_with(Isa::detect(), x, w, out, (m, k, n));
+}
+
+/// [`matmul_t`] forced through `gemm` whatever `m` is. For benchmarks and tests.
+pub fn matmul_t_gemm(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
+    matmul_t_with(Isa::Portable, x, w, out, (m, k, n));
+}
+
+/// `isa` = [`Isa::Portable`] selects `gemm`; the SIMD variants the small-`m` kernel.
+pub(crate) fn matmul_t_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], (m, k, n): (usize, usize, usize)) {
     assert_eq!(x.len(), m * k, "x must be [m, k]");
     assert_eq!(w.len(), n * k, "w must be [n, k]");
     assert_eq!(out.len(), m * n, "out must be [m, n]");
@@ -13,6 +42,11 @@ pub fn matmul_t(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: us
     }
     if k == 0 {
         out.fill(0.0);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        super::skinny::matmul_t_skinny(isa, x, w, out, m, k, n);
         return;
     }
     let parallelism = if m * n * k < 64 * 1024 {
@@ -68,16 +102,33 @@ mod tests {
     #[test]
     fn matches_f64_reference_on_random_shapes() {
         let mut rng = SmallRng::seed_from_u64(7);
-        for &(m, k, n) in &[(1, 576, 192), (3, 17, 5), (16, 64, 1536), (33, 130, 70), (1, 1, 1)] {
+        let shapes = [(1, 576, 192), (3, 17, 5), (16, 64, 1536), (33, 130, 70), (1, 1, 1), (60, 40, 33), (130, 77, 9)];
+        let paths: [(&str, fn(&[f32], &[f32], &mut [f32], usize, usize, usize)); 3] =
+            [("auto", matmul_t), ("gemm", matmul_t_gemm), ("small-m", matmul_t_small_m)];
+        for &(m, k, n) in &shapes {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let mut out = vec![f32::NAN; m * n];
-            matmul_t(&x, &w, &mut out, m, k, n);
             let want = reference(&x, &w, m, k, n);
-            for (got, want) in out.iter().zip(&want) {
-                let err = (*got as f64 - want).abs() / want.abs().max(1.0);
-                assert!(err < 1e-5, "m={m} k={k} n={n}: got {got}, want {want}");
+            for (name, f) in paths {
+                let mut out = vec![f32::NAN; m * n];
+                f(&x, &w, &mut out, m, k, n);
+                for (got, want) in out.iter().zip(&want) {
+                    let err = (*got as f64 - want).abs() / want.abs().max(1.0);
+                    assert!(err < 1e-5, "{name} m={m} k={k} n={n}: got {got}, want {want}");
+                }
             }
+        }
+    }
+
+    #[test]
+    fn empty_dimensions_are_handled_on_every_path() {
+        for isa in Isa::all_available() {
+            let mut out = vec![f32::NAN; 6];
+            matmul_t_with(isa, &[], &[], &mut out, (2, 0, 3));
+            assert!(out.iter().all(|v| *v == 0.0), "{isa:?}: k = 0 must give zeros");
+            let mut none: Vec<f32> = Vec::new();
+            matmul_t_with(isa, &[], &[1.0, 2.0], &mut none, (0, 2, 1));
+            matmul_t_with(isa, &[1.0, 2.0], &[], &mut none, (1, 2, 0));
         }
     }
 }
