@@ -44,6 +44,8 @@ fn main() {
         let huge = std::env::var("HUGE").is_ok_and(|v| v == "1");
         let mut map = memmap2::MmapOptions::new().len(copies * n * k * 4).map_anon().unwrap();
         if huge { map.advise(memmap2::Advice::HugePage).unwrap(); }
+        // SAFETY: the anonymous map is page-aligned (so f32-aligned), zero-initialised, exactly
+        // copies*n*k*4 bytes long, and borrowed mutably only through this slice.
         let all: &mut [f32] = unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast::<f32>(), copies * n * k) };
         for (i, v) in all.iter_mut().enumerate() { *v = ((i * 104_729) % 2000) as f32 / 2000.0 - 0.5; }
         let weights: Vec<&[f32]> = all.chunks_exact(n * k).collect();

@@ -10,6 +10,9 @@
 //! several lane-wise partial sums (FMA) plus a scalar tail, so results differ from an exact sum
 //! only by f32 rounding; no task writes outside its own column range of `out`.
 
+// Register tiles index accumulators by (row, column); explicit index loops read clearest there.
+#![allow(clippy::needless_range_loop)]
+
 use rayon::prelude::*;
 
 use super::simd::Isa;
