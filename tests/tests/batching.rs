@@ -163,3 +163,29 @@ fn prefill_role_hands_kv_to_decode_role_layer_by_layer() {
     let pool = decode.scheduler().pool();
     assert_eq!(pool.num_free(), pool.num_blocks());
 }
+
+#[test]
+fn abort_at_any_point_frees_every_block() {
+    let dir = smollm2_dir();
+    let cfg = EngineConfig { max_num_batched_tokens: 64, ..EngineConfig::default() };
+    let mut engine = Engine::load(&dir, cfg).unwrap();
+    let prompts = prompts();
+    let ids: Vec<RequestId> = prompts[8..12].iter().map(|p| engine.add_request(p, fixed(16)).unwrap()).collect();
+    // ids[0] is mid-prefill after one step (its prompt exceeds the 64-token budget), ids[3]
+    // still waits; the others get aborted later, mid-decode.
+    engine.step().unwrap();
+    assert!(engine.abort(ids[0]));
+    assert!(engine.abort(ids[3]));
+    for _ in 0..12 {
+        engine.step().unwrap();
+    }
+    assert!(engine.abort(ids[1]));
+    assert!(engine.abort(ids[2]));
+    assert!(!engine.abort(ids[2]), "a second abort finds nothing");
+    assert!(!engine.has_unfinished());
+    let pool = engine.scheduler().pool();
+    assert_eq!(pool.num_free(), pool.num_blocks(), "blocks leaked by abort");
+    // The engine keeps serving after aborts.
+    let after = engine.generate(&prompts[0], fixed(4)).unwrap().remove(0);
+    assert_eq!(after.token_ids.len(), 4);
+}
