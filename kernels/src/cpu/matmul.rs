@@ -103,7 +103,8 @@ mod tests {
     fn matches_f64_reference_on_random_shapes() {
         let mut rng = SmallRng::seed_from_u64(7);
         let shapes = [(1, 576, 192), (3, 17, 5), (16, 64, 1536), (33, 130, 70), (1, 1, 1), (60, 40, 33), (130, 77, 9)];
-        let paths: [(&str, fn(&[f32], &[f32], &mut [f32], usize, usize, usize)); 3] =
+        type Path = fn(&[f32], &[f32], &mut [f32], usize, usize, usize);
+        let paths: [(&str, Path); 3] =
             [("auto", matmul_t), ("gemm", matmul_t_gemm), ("small-m", matmul_t_small_m)];
         for &(m, k, n) in &shapes {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();

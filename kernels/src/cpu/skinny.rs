@@ -183,8 +183,8 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(ops: Operands<'_>, res: &mut
         for c in 0..C {
             // SAFETY: c < C and t + 8 <= k, so the 8 floats at c*k + t lie inside x's C*k.
             let xv = unsafe { _mm256_loadu_ps(xp.add(c * k + t)) };
-            for r in 0..R {
-                acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
+            for (acc_r, w_r) in acc.iter_mut().zip(&wv) {
+                acc_r[c] = _mm256_fmadd_ps(*w_r, xv, acc_r[c]);
             }
         }
         t += 8;
@@ -229,8 +229,8 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &m
         for c in 0..C {
             // SAFETY: c < C and t + 16 <= k, so the 16 floats at c*k + t lie inside x's C*k.
             let xv = unsafe { _mm512_loadu_ps(xp.add(c * k + t)) };
-            for r in 0..R {
-                acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+            for (acc_r, w_r) in acc.iter_mut().zip(&wv) {
+                acc_r[c] = _mm512_fmadd_ps(*w_r, xv, acc_r[c]);
             }
         }
         t += 16;
@@ -246,8 +246,8 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &m
         for c in 0..C {
             // SAFETY: as above, for x's C*k floats.
             let xv = unsafe { _mm512_maskz_loadu_ps(mask, xp.add(c * k + body)) };
-            for r in 0..R {
-                acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+            for (acc_r, w_r) in acc.iter_mut().zip(&wv) {
+                acc_r[c] = _mm512_fmadd_ps(*w_r, xv, acc_r[c]);
             }
         }
     }
