@@ -10,15 +10,25 @@ use gemm::Parallelism;
 
 use super::simd::Isa;
 
-/// Largest `m` routed to the small-`m` kernel (measured crossover with `gemm` on Zen 4, both
-/// cores: see `kernels/benches/matmul.rs`).
-const SMALL_M_MAX: usize = 128;
-
 /// Computes `out[m, n] = x[m, k] · w[n, k]ᵀ`, overwriting `out`, with the fastest path for the
 /// shape and this CPU.
 pub fn matmul_t(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
-    let isa = if m <= SMALL_M_MAX { Isa::detect() } else { Isa::Portable };
+    let isa = Isa::detect();
+    let isa = if m <= small_m_max(isa) { isa } else { Isa::Portable };
     matmul_t_with(isa, x, w, out, (m, k, n));
+}
+
+/// Largest `m` routed to the small-`m` kernel: the measured crossover with `gemm` on the 2-core
+/// Zen 4 with weights streamed from DRAM (`kernels/benches/matmul.rs`). With AVX-512 the kernel
+/// is ahead up to m ≈ 128-192; restricted to AVX2 it stays ahead up to m ≈ 64-96.
+fn small_m_max(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 128,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => 64,
+        Isa::Portable => 0,
+    }
 }
 
 /// [`matmul_t`] forced through the small-`m` kernel whatever `m` is (falls back to `gemm` on a
