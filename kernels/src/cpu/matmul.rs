@@ -1,10 +1,12 @@
 //! `out = x · wᵀ` for row-major `x` [m, k] and `w` [n, k] (the PyTorch `Linear` weight layout).
 //!
-//! Few rows of `x` (decode) go to the small-`m` kernel in `skinny.rs` when the CPU has AVX2/FMA;
-//! everything else, and every CPU without them, goes to the `gemm` crate (which packs both
-//! operands and reaches peak FLOP rate once `m` is large enough to amortise the packing).
-//! Invariant: both paths compute every output as an f32 sum over the whole of `k`, so they agree
-//! up to f32 rounding.
+//! Few rows of `x` (decode batches, short prefill chunks) go to the small-`m` kernel in
+//! `skinny.rs` when the CPU has AVX2/FMA; larger `m`, and every CPU without AVX2/FMA, go to the
+//! `gemm` crate (which packs both operands and reaches peak FLOP rate once `m` is large enough to
+//! amortise the packing).
+//! Invariants: both paths compute every output as an f32 sum over the whole of `k`, so they agree
+//! up to f32 rounding; on the small-`m` path a row's result does not depend on the other rows of
+//! the call (bitwise), so a sequence gets the same logits alone and in any decode batch.
 
 use gemm::Parallelism;
 
@@ -59,6 +61,8 @@ pub(crate) fn matmul_t_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], (m,
         super::skinny::matmul_t_skinny(isa, x, w, out, m, k, n);
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     let parallelism = if m * n * k < 64 * 1024 {
         Parallelism::None
     } else {
