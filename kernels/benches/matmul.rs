@@ -11,7 +11,7 @@ use tandem_kernels::cpu::{matmul_t_gemm, matmul_t_small_m};
 
 type MatmulFn = fn(&[f32], &[f32], &mut [f32], usize, usize, usize);
 
-fn gflops(f: MatmulFn, weights: &[&[f32]], m: usize, k: usize, n: usize) -> f64 {
+fn gflops(f: MatmulFn, weights: &[Vec<f32>], m: usize, k: usize, n: usize) -> f64 {
     let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
     let mut out = vec![0.0f32; m * n];
     for w in weights {
@@ -24,7 +24,7 @@ fn gflops(f: MatmulFn, weights: &[&[f32]], m: usize, k: usize, n: usize) -> f64 
     for _ in 0..5 {
         let start = Instant::now();
         for i in 0..calls {
-            f(&x, weights[i % weights.len()], &mut out, m, k, n);
+            f(&x, &weights[i % weights.len()], &mut out, m, k, n);
         }
         best = best.max(flop_per_call * calls as f64 / start.elapsed().as_secs_f64() / 1e9);
     }
@@ -41,15 +41,8 @@ fn main() {
     println!("{:<8} {:>6} {:>6} {:>4} {:>10} {:>10}", "shape", "n", "k", "m", "small-m", "gemm");
     for (name, n, k) in shapes {
         let copies = if hot { 1 } else { (96 << 20) / (n * k * 4) + 1 };
-        let huge = std::env::var("HUGE").is_ok_and(|v| v == "1");
-        let mut map = memmap2::MmapOptions::new().len(copies * n * k * 4).map_anon().unwrap();
-        if huge { map.advise(memmap2::Advice::HugePage).unwrap(); }
-        // SAFETY: the anonymous map is page-aligned (so f32-aligned), zero-initialised, exactly
-        // copies*n*k*4 bytes long, and borrowed mutably only through this slice.
-        let all: &mut [f32] = unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast::<f32>(), copies * n * k) };
-        for (i, v) in all.iter_mut().enumerate() { *v = ((i * 104_729) % 2000) as f32 / 2000.0 - 0.5; }
-        let weights: Vec<&[f32]> = all.chunks_exact(n * k).collect();
-        if huge { eprintln!("{}", std::fs::read_to_string("/proc/meminfo").unwrap().lines().find(|l| l.starts_with("AnonHuge")).unwrap()); }
+        let weights: Vec<Vec<f32>> =
+            (0..copies).map(|c| (0..n * k).map(|i| (((i + c) * 104_729) % 2000) as f32 / 2000.0 - 0.5).collect()).collect();
         for &m in &ms {
             let ours = gflops(matmul_t_small_m, &weights, m, k, n);
             let theirs = gflops(matmul_t_gemm, &weights, m, k, n);

@@ -1,24 +1,36 @@
 //! `out = x · wᵀ` for row-major `x` [m, k] and `w` [n, k] (the PyTorch `Linear` weight layout).
 //!
-//! Few rows of `x` (decode) go to the small-`m` kernel in `skinny.rs` when the CPU has AVX2/FMA;
-//! everything else, and every CPU without them, goes to the `gemm` crate (which packs both
-//! operands and reaches peak FLOP rate once `m` is large enough to amortise the packing).
-//! Invariant: both paths compute every output as an f32 sum over the whole of `k`, so they agree
-//! up to f32 rounding.
+//! Few rows of `x` (decode batches, short prefill chunks) go to the small-`m` kernel in
+//! `skinny.rs` when the CPU has AVX2/FMA; larger `m`, and every CPU without AVX2/FMA, go to the
+//! `gemm` crate (which packs both operands and reaches peak FLOP rate once `m` is large enough to
+//! amortise the packing).
+//! Invariants: both paths compute every output as an f32 sum over the whole of `k`, so they agree
+//! up to f32 rounding; on the small-`m` path a row's result does not depend on the other rows of
+//! the call (bitwise), so a sequence gets the same logits alone and in any decode batch.
 
 use gemm::Parallelism;
 
 use super::simd::Isa;
 
-/// Largest `m` routed to the small-`m` kernel (measured crossover with `gemm` on Zen 4, both
-/// cores: see `kernels/benches/matmul.rs`).
-const SMALL_M_MAX: usize = 128;
-
 /// Computes `out[m, n] = x[m, k] · w[n, k]ᵀ`, overwriting `out`, with the fastest path for the
 /// shape and this CPU.
 pub fn matmul_t(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
-    let isa = if m <= SMALL_M_MAX { Isa::detect() } else { Isa::Portable };
+    let isa = Isa::detect();
+    let isa = if m <= small_m_max(isa) { isa } else { Isa::Portable };
     matmul_t_with(isa, x, w, out, (m, k, n));
+}
+
+/// Largest `m` routed to the small-`m` kernel: the measured crossover with `gemm` on the 2-core
+/// Zen 4 with weights streamed from DRAM (`kernels/benches/matmul.rs`). With AVX-512 the kernel
+/// is ahead up to m ≈ 128-192; restricted to AVX2 it stays ahead up to m ≈ 64-96.
+fn small_m_max(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 128,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => 64,
+        Isa::Portable => 0,
+    }
 }
 
 /// [`matmul_t`] forced through the small-`m` kernel whatever `m` is (falls back to `gemm` on a
@@ -49,6 +61,8 @@ pub(crate) fn matmul_t_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], (m,
         super::skinny::matmul_t_skinny(isa, x, w, out, m, k, n);
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     let parallelism = if m * n * k < 64 * 1024 {
         Parallelism::None
     } else {
@@ -84,31 +98,27 @@ pub(crate) fn matmul_t_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], (m,
     }
 }
 
-/// `x · wᵀ` in f64: the reference the matmul kernels are tested against.
-#[cfg(test)]
-pub(super) fn reference(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
-    let mut out = vec![0.0f64; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            out[i * n + j] = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng, rngs::SmallRng};
 
-
-    type MatmulFn = fn(&[f32], &[f32], &mut [f32], usize, usize, usize);
+    fn reference(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
+            }
+        }
+        out
+    }
 
     #[test]
     fn matches_f64_reference_on_random_shapes() {
         let mut rng = SmallRng::seed_from_u64(7);
         let shapes = [(1, 576, 192), (3, 17, 5), (16, 64, 1536), (33, 130, 70), (1, 1, 1), (60, 40, 33), (130, 77, 9)];
-        let paths: [(&str, MatmulFn); 3] =
+        type Path = fn(&[f32], &[f32], &mut [f32], usize, usize, usize);
+        let paths: [(&str, Path); 3] =
             [("auto", matmul_t), ("gemm", matmul_t_gemm), ("small-m", matmul_t_small_m)];
         for &(m, k, n) in &shapes {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();

@@ -4,21 +4,21 @@
 //! The work is cut into tiles of `R` weight rows × `C` rows of `x`; a tile keeps `R·C` vector
 //! accumulators in registers, loads `R + C` vectors per step along `k` (both operands are
 //! `k`-contiguous, so no packing is needed) and reduces each accumulator horizontally at the end.
-//! Tasks are contiguous ranges of weight rows (output columns), run in parallel with rayon.
+//! While it computes, it prefetches the weight rows [`PREFETCH_BYTES`] ahead into L2. Tasks are
+//! contiguous ranges of weight rows (output columns), run in parallel with rayon.
 //!
 //! Invariants: every output is one dot product over the whole of `k`, accumulated in f32 in
-//! several lane-wise partial sums (FMA) plus a scalar tail, so results differ from an exact sum
-//! only by f32 rounding; no task writes outside its own column range of `out`.
-
-// Register tiles index accumulators by (row, column); explicit index loops read clearest there.
-#![allow(clippy::needless_range_loop)]
+//! lane-wise partial sums (FMA, one accumulator per output) and reduced in a fixed order, so
+//! results differ from an exact sum only by f32 rounding, and an output's value depends only on
+//! its own row of `x` and of `w` (not on `m`, on the tile it fell in, or on the thread split); no
+//! task writes outside its own column range of `out`.
 
 use rayon::prelude::*;
 
 use super::simd::Isa;
 
 /// Largest tile: rows of `w` × rows of `x` (the result buffer of one tile).
-const MAX_R: usize = 6;
+const MAX_R: usize = 4;
 const MAX_C: usize = 8;
 
 /// A tile's results: `[w row][x row]`.
@@ -60,7 +60,9 @@ pub(super) fn matmul_t_skinny(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], m
     }
 }
 
-/// `(R, C)`: weight rows and `x` rows per tile.
+/// `(R, C)`: weight rows and `x` rows per tile. (3, 8) with AVX-512 uses 24 of the 32 vector
+/// registers for accumulators, (3, 4) with AVX2 12 of 16; at m <= 2 a tile covers all of `x`.
+/// Only the shapes these produce, and their remainders, are instantiated in [`tile`].
 fn tile_shape(isa: Isa, m: usize) -> (usize, usize) {
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -142,8 +144,7 @@ fn tile(isa: Isa, ops: Operands<'_>, rc: (usize, usize), res: &mut TileOut) {
             dispatch_tile!(tile_avx512, ops, rc, res;
                 (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8),
                 (2, 1), (2, 2), (2, 3), (2, 4), (2, 5), (2, 6), (2, 7), (2, 8),
-                (3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (3, 6), (3, 7), (3, 8),
-                (4, 1), (4, 2), (4, 3), (4, 4), (4, 5), (4, 6), (5, 1), (5, 2), (5, 3), (5, 4), (6, 1), (6, 2), (6, 3), (6, 4))
+                (3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (3, 6), (3, 7), (3, 8))
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` comes from `Isa::detect`, which saw AVX2 and FMA on this CPU; the
@@ -186,8 +187,8 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(ops: Operands<'_>, res: &mut
         for c in 0..C {
             // SAFETY: c < C and t + 8 <= k, so the 8 floats at c*k + t lie inside x's C*k.
             let xv = unsafe { _mm256_loadu_ps(xp.add(c * k + t)) };
-            for r in 0..R {
-                acc[r][c] = _mm256_fmadd_ps(wv[r], xv, acc[r][c]);
+            for (acc_r, w_r) in acc.iter_mut().zip(&wv) {
+                acc_r[c] = _mm256_fmadd_ps(*w_r, xv, acc_r[c]);
             }
         }
         t += 8;
@@ -232,8 +233,8 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &m
         for c in 0..C {
             // SAFETY: c < C and t + 16 <= k, so the 16 floats at c*k + t lie inside x's C*k.
             let xv = unsafe { _mm512_loadu_ps(xp.add(c * k + t)) };
-            for r in 0..R {
-                acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+            for (acc_r, w_r) in acc.iter_mut().zip(&wv) {
+                acc_r[c] = _mm512_fmadd_ps(*w_r, xv, acc_r[c]);
             }
         }
         t += 16;
@@ -249,8 +250,8 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &m
         for c in 0..C {
             // SAFETY: as above, for x's C*k floats.
             let xv = unsafe { _mm512_maskz_loadu_ps(mask, xp.add(c * k + body)) };
-            for r in 0..R {
-                acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+            for (acc_r, w_r) in acc.iter_mut().zip(&wv) {
+                acc_r[c] = _mm512_fmadd_ps(*w_r, xv, acc_r[c]);
             }
         }
     }
@@ -263,10 +264,18 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &m
 
 #[cfg(test)]
 mod tests {
-    use super::super::matmul::reference;
     use super::*;
     use rand::{Rng, SeedableRng, rngs::SmallRng};
 
+    fn reference(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
+            }
+        }
+        out
+    }
 
     /// Every SIMD path, on shapes with remainders in every tile dimension, against f64.
     #[test]
