@@ -98,12 +98,9 @@ pub(crate) fn matmul_t_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], (m,
     }
 }
 
+/// `x · wᵀ` in f64: the reference both matmul paths are tested against.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::{Rng, SeedableRng, rngs::SmallRng};
-
-    fn reference(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+pub(super) fn reference(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
         let mut out = vec![0.0f64; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -112,6 +109,11 @@ mod tests {
         }
         out
     }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng, rngs::SmallRng};
 
     #[test]
     fn matches_f64_reference_on_random_shapes() {

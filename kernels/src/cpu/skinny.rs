@@ -264,18 +264,9 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(ops: Operands<'_>, res: &m
 
 #[cfg(test)]
 mod tests {
+    use super::super::matmul::reference;
     use super::*;
     use rand::{Rng, SeedableRng, rngs::SmallRng};
-
-    fn reference(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
-        let mut out = vec![0.0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                out[i * n + j] = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
-            }
-        }
-        out
-    }
 
     /// Every SIMD path, on shapes with remainders in every tile dimension, against f64.
     #[test]
