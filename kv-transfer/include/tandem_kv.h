@@ -102,7 +102,12 @@ typedef struct tandem_kv_host {
                       uint64_t payload_len, tandem_kv_iov *iovs, size_t max_iovs, size_t *n_iovs,
                       uint64_t *token);
 
-    /* The payload announced with `token` has been written completely (status 0) or not (status < 0). */
+    /*
+     * The payload announced with `token` has been written completely (status 0) or not (status < 0).
+     * Every TANDEM_KV_DELIVER is answered by exactly one on_payload, also when the link fails or is closed
+     * meanwhile (then with status < 0, before on_link_closed). tandem keeps the destination memory reserved
+     * until then, so the plugin must not touch the iovecs after calling it.
+     */
     void (*on_payload)(void *ctx, tandem_kv_link link, uint64_t token, int status);
 
     /* The link is gone; `reason` (may be NULL) is valid only during the call. Called at most once per link. */

@@ -1,0 +1,236 @@
+//! The connector: one per node, bound to that node's registered block memory and one backend. The
+//! decode side calls [`Connector::expect`] for blocks it allocated and hands the resulting
+//! [`TransferDescriptor`] to the prefill side, which calls [`Connector::send`] and pushes layers as it
+//! computes them.
+//!
+//! Invariants: a connector exchanges blocks only with peers whose geometry equals its memory's (checked
+//! locally against the descriptor, and by the handshake); dropping the connector shuts its transport
+//! down first, then fails every transfer still in flight and releases their claims.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::core::Core;
+use crate::error::{Error, Result};
+use crate::geometry::Geometry;
+use crate::handle::{RecvHandle, SendHandle};
+use crate::memory::{KvMemory, MemoryKind};
+use crate::transport::{Capabilities, Inbox, Transport, inproc, plugin, tcp};
+
+/// Tunables shared by every backend.
+#[derive(Debug, Clone)]
+pub struct ConnectorConfig {
+    /// Largest payload of one chunk (rounded down to whole blocks, at least one block).
+    pub max_chunk_bytes: usize,
+    /// Deadline of a transfer that names none.
+    pub transfer_timeout: Duration,
+    /// How long connecting plus handshaking may take.
+    pub connect_timeout: Duration,
+}
+
+impl Default for ConnectorConfig {
+    fn default() -> Self {
+        ConnectorConfig {
+            max_chunk_bytes: 1 << 20,
+            transfer_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Everything a sender needs to push blocks into a receiver's pool. Produced by [`Connector::expect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferDescriptor {
+    /// Transfer id, unique per receiving connector.
+    pub id: u64,
+    /// The receiving connector's endpoint.
+    pub endpoint: String,
+    /// Destination block ids, in the order the source blocks are given.
+    pub dst_blocks: Vec<u32>,
+    /// The receiver's geometry.
+    pub geometry: Geometry,
+}
+
+/// Counters for metrics, including the bandwidth self-check of the last transfer each way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Metrics {
+    /// Transfers sent and confirmed.
+    pub sent_ok: u64,
+    /// Sends that failed or were cancelled.
+    pub sent_failed: u64,
+    /// Transfers received and verified.
+    pub received_ok: u64,
+    /// Receives that failed or were cancelled.
+    pub received_failed: u64,
+    /// Payload bytes of confirmed sends.
+    pub bytes_sent: u64,
+    /// Payload bytes of verified receives.
+    pub bytes_received: u64,
+    /// Achieved bandwidth of the last confirmed send.
+    pub last_send_bytes_per_sec: u64,
+    /// Achieved bandwidth of the last verified receive.
+    pub last_recv_bytes_per_sec: u64,
+    /// Sends in flight.
+    pub sending: usize,
+    /// Receives in flight (expected or landing).
+    pub receiving: usize,
+}
+
+/// Which backend to use, as written in configuration (`--kv-connector`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectorSpec {
+    /// `tcp` or `tcp://HOST:PORT` (bind address; port 0 picks one).
+    Tcp(tcp::TcpOptions),
+    /// `inproc` or `inproc://NAME`: same-process peers through an [`inproc::Fabric`].
+    Inproc(Option<String>),
+    /// `plugin:/path/lib.so` or `plugin:/path/lib.so?config`.
+    Plugin {
+        /// The shared library.
+        path: String,
+        /// Text passed to the plugin's `create`.
+        config: String,
+    },
+}
+
+impl FromStr for ConnectorSpec {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |why: &str| Error::Invalid(format!("KV connector {s:?}: {why} (expected tcp, tcp://HOST:PORT, inproc, or plugin:/path/lib.so[?config])"));
+        if s == "tcp" {
+            return Ok(ConnectorSpec::Tcp(tcp::TcpOptions::default()));
+        }
+        if let Some(addr) = s.strip_prefix("tcp://") {
+            let bind = addr.parse().map_err(|_| bad("not a HOST:PORT socket address"))?;
+            return Ok(ConnectorSpec::Tcp(tcp::TcpOptions { bind, advertise: None }));
+        }
+        if s == "inproc" {
+            return Ok(ConnectorSpec::Inproc(None));
+        }
+        if let Some(name) = s.strip_prefix("inproc://") {
+            if name.is_empty() {
+                return Err(bad("empty inproc name"));
+            }
+            return Ok(ConnectorSpec::Inproc(Some(name.to_string())));
+        }
+        if let Some(rest) = s.strip_prefix("plugin:") {
+            let (path, config) = rest.split_once('?').unwrap_or((rest, ""));
+            if path.is_empty() {
+                return Err(bad("empty plugin path"));
+            }
+            return Ok(ConnectorSpec::Plugin { path: path.to_string(), config: config.to_string() });
+        }
+        Err(bad("unknown backend"))
+    }
+}
+
+/// A node's KV connector. Must be created and used inside a tokio runtime.
+pub struct Connector {
+    core: Arc<Core>,
+    transport: Arc<dyn Transport>,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector")
+            .field("backend", &self.transport.name())
+            .field("endpoint", &self.transport.endpoint())
+            .finish()
+    }
+}
+
+impl Connector {
+    /// Builds a connector over `memory` with the backend `spec` names. `fabric` is used by `inproc`.
+    pub async fn from_spec(
+        spec: &ConnectorSpec,
+        memory: Arc<KvMemory>,
+        config: ConnectorConfig,
+        fabric: &inproc::Fabric,
+    ) -> Result<Connector> {
+        let (spec, fabric) = (spec.clone(), fabric.clone());
+        Connector::build(memory, config, |inbox| async move { make_transport(&spec, &fabric, inbox).await }).await
+    }
+
+    /// Builds a connector over any [`Transport`] (the Rust-side plug point): `make` receives the inbox
+    /// the transport must deliver to.
+    pub async fn build<F, Fut>(memory: Arc<KvMemory>, config: ConnectorConfig, make: F) -> Result<Connector>
+    where
+        F: FnOnce(Arc<dyn Inbox>) -> Fut,
+        Fut: std::future::Future<Output = Result<Arc<dyn Transport>>>,
+    {
+        if config.max_chunk_bytes == 0 || config.transfer_timeout.is_zero() || config.connect_timeout.is_zero() {
+            return Err(Error::Invalid("chunk size and timeouts must be > 0".into()));
+        }
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::Invalid("a KV connector needs a tokio runtime".into()))?;
+        let core = Core::new(Arc::clone(&memory), config, rt);
+        let inbox: Arc<dyn Inbox> = Arc::clone(&core) as Arc<dyn Inbox>;
+        let transport: Arc<dyn Transport> = make(inbox).await?;
+        let caps = transport.capabilities();
+        let needed = match memory.kind() {
+            MemoryKind::Host => (Capabilities::HOST_MEMORY, "host memory"),
+            // Verifying device-resident chunks needs device-side checksums, which no backend has yet.
+            MemoryKind::Cuda { .. } => (u64::MAX, "device memory with verified chunks"),
+        };
+        if !caps.has(needed.0) {
+            transport.shutdown();
+            return Err(Error::Unsupported { backend: transport.name().to_string(), what: needed.1.to_string() });
+        }
+        core.set_endpoint(transport.endpoint());
+        Ok(Connector { core, transport })
+    }
+
+    /// The endpoint senders use to reach this connector.
+    pub fn endpoint(&self) -> String {
+        self.transport.endpoint()
+    }
+
+    /// The backend's name.
+    pub fn backend(&self) -> &str {
+        self.transport.name()
+    }
+
+    /// The registered block memory.
+    pub fn memory(&self) -> &Arc<KvMemory> {
+        self.core.memory()
+    }
+
+    /// Receiver side: reserves `dst_blocks` for an incoming transfer and returns its handle; send
+    /// `handle.descriptor()` to the sender. Fails with [`Error::Timeout`] if not complete within `timeout`
+    /// (default: the config's `transfer_timeout`).
+    pub fn expect(&self, dst_blocks: Vec<u32>, timeout: Option<Duration>) -> Result<RecvHandle> {
+        self.core.expect(dst_blocks, timeout.unwrap_or(self.core_config_timeout()))
+    }
+
+    /// Sender side: starts pushing `src_blocks` (paired in order with `desc.dst_blocks`) to the receiver.
+    /// Nothing is sent for a layer until [`SendHandle::push_layer`] announces it.
+    pub fn send(&self, desc: &TransferDescriptor, src_blocks: Vec<u32>, timeout: Option<Duration>) -> Result<SendHandle> {
+        self.core.start_send(Arc::clone(&self.transport), desc, src_blocks, timeout.unwrap_or(self.core_config_timeout()))
+    }
+
+    fn core_config_timeout(&self) -> Duration {
+        self.core.config().transfer_timeout
+    }
+
+    /// Counters, including the achieved bandwidth of recent transfers.
+    pub fn metrics(&self) -> Metrics {
+        self.core.metrics()
+    }
+}
+
+/// Creates the transport `spec` names, delivering to `inbox`.
+pub async fn make_transport(spec: &ConnectorSpec, fabric: &inproc::Fabric, inbox: Arc<dyn Inbox>) -> Result<Arc<dyn Transport>> {
+    Ok(match spec {
+        ConnectorSpec::Tcp(opts) => tcp::TcpTransport::bind(opts, inbox).await? as Arc<dyn Transport>,
+        ConnectorSpec::Inproc(name) => fabric.register(name.clone(), inbox)? as Arc<dyn Transport>,
+        ConnectorSpec::Plugin { path, config } => plugin::PluginTransport::load(path, config, inbox)? as Arc<dyn Transport>,
+    })
+}
+
+impl Drop for Connector {
+    fn drop(&mut self) {
+        self.transport.shutdown();
+        self.core.shutdown();
+    }
+}

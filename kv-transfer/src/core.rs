@@ -1,0 +1,856 @@
+//! The backend-independent heart of a connector: the receiver's per-transfer state machine (handshake,
+//! start, chunk validation, checksum verification, completion), the sender's per-transfer task (link
+//! reuse, layer-by-layer chunking, checksums, waiting for the receiver's verdict), timeouts and
+//! cancellation. Every transport feeds the same [`Inbox`] implementation, so TCP, in-process and plugins
+//! get identical integrity guarantees.
+//!
+//! Invariants:
+//! - A layer is reported landed only after every chunk of it passed its length, order and checksum
+//!   checks; a transfer is complete only after every layer did. Anything else fails the whole transfer.
+//! - Block claims are released exactly once, and before the handle sees a terminal state. A claim is kept
+//!   while a transport may still write (receiver: until `on_payload`) or read (sender: while a `Payload`
+//!   lives) the blocks.
+//! - Locks are never held across an `.await` or a transport call; replies are sent from spawned tasks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+use tokio::sync::{oneshot, watch};
+use tokio::task::AbortHandle;
+
+use crate::connector::{ConnectorConfig, Metrics, TransferDescriptor};
+use crate::error::{Error, Result};
+use crate::frame::{self, AbortCode, ChunkHeader, Frame, PROTOCOL_VERSION};
+use crate::handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};
+use crate::memory::{Claim, Iov, KvMemory, MemoryKind};
+use crate::transport::{Delivery, Inbox, Link, Payload, Transport};
+
+/// Most blocks one chunk covers (so a chunk never needs more than `TANDEM_KV_MAX_IOVS` iovecs).
+pub const MAX_CHUNK_BLOCKS: u32 = 256;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks is a bug; the state is still consistent enough to shut down.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Checksum of host memory described by iovecs.
+fn checksum_iovs(iovs: &[Iov]) -> u64 {
+    frame::payload_checksum(iovs.iter().map(|iov| {
+        debug_assert_eq!(iov.kind, MemoryKind::Host);
+        // SAFETY: the iovecs come from `KvMemory::iovs` on host memory, in range, and the caller holds the
+        // transfer's claim on those blocks, so no transport or owner writes them meanwhile.
+        unsafe { std::slice::from_raw_parts(iov.addr as *const u8, iov.len) }
+    }))
+}
+
+struct RxLink {
+    link: Arc<dyn Link>,
+}
+
+struct RxTransfer {
+    blocks: Vec<u32>,
+    blocks_hash: u64,
+    claim: Option<Claim>,
+    /// Link that sent `Start`.
+    link: Option<u64>,
+    next_layer: u32,
+    next_block: u32,
+    /// A chunk whose payload the transport is writing now.
+    pending: Option<ChunkHeader>,
+    /// Failed while a payload was pending: finish when it is.
+    doomed: Option<Error>,
+    progress: watch::Sender<Progress>,
+    created: Instant,
+    started: Option<Instant>,
+    bytes: u64,
+    timer: Option<AbortHandle>,
+}
+
+#[derive(Default)]
+struct Rx {
+    transfers: HashMap<u64, RxTransfer>,
+    /// Incoming links whose handshake succeeded.
+    links: HashMap<u64, RxLink>,
+}
+
+struct OutLink {
+    link: Arc<dyn Link>,
+    hello: Mutex<Option<oneshot::Sender<Result<()>>>>,
+    dead: AtomicBool,
+}
+
+type EndpointSlot = Arc<tokio::sync::Mutex<Option<Arc<OutLink>>>>;
+
+#[derive(Default)]
+struct Tx {
+    endpoints: HashMap<String, EndpointSlot>,
+    links: HashMap<u64, Arc<OutLink>>,
+    /// (link id, transfer id) → the sender task waiting for the receiver's verdict.
+    pending: HashMap<(u64, u64), oneshot::Sender<Result<()>>>,
+}
+
+#[derive(Default)]
+struct Counters {
+    sent_ok: AtomicU64,
+    sent_failed: AtomicU64,
+    received_ok: AtomicU64,
+    received_failed: AtomicU64,
+    bytes_sent: AtomicU64,
+    bytes_received: AtomicU64,
+    last_send_bps: AtomicU64,
+    last_recv_bps: AtomicU64,
+    sending: AtomicUsize,
+}
+
+/// Shared state of one connector; transports hold it as their [`Inbox`].
+pub(crate) struct Core {
+    memory: Arc<KvMemory>,
+    config: ConnectorConfig,
+    rt: Handle,
+    endpoint: OnceLock<String>,
+    rx: Mutex<Rx>,
+    tx: Mutex<Tx>,
+    counters: Counters,
+    id_prefix: u64,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    me: Weak<Core>,
+}
+
+type Replies = Vec<(Arc<dyn Link>, Frame, bool)>;
+
+impl Core {
+    pub(crate) fn new(memory: Arc<KvMemory>, config: ConnectorConfig, rt: Handle) -> Arc<Core> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let seed = [nanos.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat();
+        let id_prefix = xxhash_rust::xxh3::xxh3_64(&seed) << 24;
+        Arc::new_cyclic(|me| Core {
+            memory,
+            config,
+            rt,
+            endpoint: OnceLock::new(),
+            rx: Mutex::new(Rx::default()),
+            tx: Mutex::new(Tx::default()),
+            counters: Counters::default(),
+            id_prefix,
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            me: me.clone(),
+        })
+    }
+
+    pub(crate) fn set_endpoint(&self, endpoint: String) {
+        let _ = self.endpoint.set(endpoint);
+    }
+
+    pub(crate) fn memory(&self) -> &Arc<KvMemory> {
+        &self.memory
+    }
+
+    pub(crate) fn config(&self) -> &ConnectorConfig {
+        &self.config
+    }
+
+    /// Sends frames from a spawned task (never under a lock); `close` closes the link afterwards.
+    fn reply(&self, replies: Replies) {
+        for (link, frame, close) in replies {
+            self.rt.spawn(async move {
+                let _ = link.send(frame.encode(), Payload::empty()).await;
+                if close {
+                    link.close();
+                }
+            });
+        }
+    }
+
+    // ---------------------------------------------------------------- receiver side
+
+    pub(crate) fn expect(&self, blocks: Vec<u32>, timeout: Duration) -> Result<RecvHandle> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Shutdown);
+        }
+        let claim = self.memory.claim(&blocks, true)?;
+        let id = self.id_prefix | (self.next_id.fetch_add(1, Ordering::Relaxed) & 0xff_ffff);
+        let (progress, progress_rx) = watch::channel(Progress::pending());
+        let me = self.me.clone();
+        let timer = self.rt.spawn(async move {
+            tokio::time::sleep(timeout).await;
+            if let Some(core) = me.upgrade() {
+                core.rx_timeout(id, timeout);
+            }
+        });
+        let descriptor = TransferDescriptor {
+            id,
+            endpoint: self.endpoint.get().cloned().unwrap_or_default(),
+            dst_blocks: blocks.clone(),
+            geometry: self.memory.geometry().clone(),
+        };
+        let transfer = RxTransfer {
+            blocks_hash: frame::blocks_hash(&blocks),
+            blocks,
+            claim: Some(claim),
+            link: None,
+            next_layer: 0,
+            next_block: 0,
+            pending: None,
+            doomed: None,
+            progress,
+            created: Instant::now(),
+            started: None,
+            bytes: 0,
+            timer: Some(timer.abort_handle()),
+        };
+        lock(&self.rx).transfers.insert(id, transfer);
+        Ok(RecvHandle { descriptor, progress: progress_rx, core: self.me.clone() })
+    }
+
+    /// Ends transfer `id` with `outcome`. With a payload still being written, a failure is recorded and
+    /// finished by `on_payload`. `notify` tells the sender why (if it is linked).
+    fn rx_end(&self, rx: &mut Rx, id: u64, outcome: Result<()>, notify: Option<AbortCode>, replies: &mut Replies) {
+        let Some(t) = rx.transfers.get_mut(&id) else { return };
+        if let (Some(code), Err(e), Some(link)) = (notify, &outcome, t.link.and_then(|l| rx.links.get(&l)))
+            && t.doomed.is_none()
+        {
+            replies.push((Arc::clone(&link.link), Frame::Abort { id, code, reason: e.to_string() }, false));
+        }
+        if t.pending.is_some() {
+            if let Err(e) = outcome {
+                t.doomed.get_or_insert(e);
+            }
+            return;
+        }
+        let mut t = rx.transfers.remove(&id).expect("present");
+        if let Some(timer) = t.timer.take() {
+            timer.abort();
+        }
+        drop(t.claim.take()); // blocks free before anyone can observe the terminal state
+        let state = match outcome {
+            Ok(()) => {
+                let stats = TransferStats {
+                    bytes: t.bytes,
+                    elapsed: t.started.unwrap_or(t.created).elapsed(),
+                };
+                self.counters.received_ok.fetch_add(1, Ordering::Relaxed);
+                self.counters.bytes_received.fetch_add(t.bytes, Ordering::Relaxed);
+                self.counters.last_recv_bps.store(stats.bytes_per_sec() as u64, Ordering::Relaxed);
+                tracing::debug!(id, bytes = t.bytes, mb_per_s = stats.bytes_per_sec() / 1e6, "KV transfer received");
+                TransferState::Complete(stats)
+            }
+            Err(e) => {
+                self.counters.received_failed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(id, error = %e, "KV transfer failed (receiver)");
+                TransferState::Failed(e)
+            }
+        };
+        let layers = if matches!(state, TransferState::Complete(_)) { self.memory.geometry().num_layers() } else { t.next_layer };
+        t.progress.send_modify(|p| {
+            p.layers = layers;
+            p.bytes = t.bytes;
+            p.state = state;
+        });
+    }
+
+    pub(crate) fn rx_cancel(&self, id: u64) {
+        let mut replies = Vec::new();
+        {
+            let mut rx = lock(&self.rx);
+            self.rx_end(&mut rx, id, Err(Error::Cancelled { id, by: "receiver" }), Some(AbortCode::Cancelled), &mut replies);
+        }
+        self.reply(replies);
+    }
+
+    fn rx_timeout(&self, id: u64, after: Duration) {
+        let mut replies = Vec::new();
+        let mut stuck = None;
+        {
+            let mut rx = lock(&self.rx);
+            let err = Error::Timeout { id, after_ms: after.as_millis() as u64 };
+            if let Some(t) = rx.transfers.get(&id)
+                && t.pending.is_some()
+            {
+                // The transport is stuck writing a payload: closing the link makes it give up (and call
+                // on_payload), which finishes the transfer.
+                stuck = t.link.and_then(|l| rx.links.get(&l)).map(|l| Arc::clone(&l.link));
+            }
+            self.rx_end(&mut rx, id, Err(err), Some(AbortCode::Timeout), &mut replies);
+        }
+        self.reply(replies);
+        if let Some(link) = stuck {
+            link.close();
+        }
+    }
+
+    fn rx_message(&self, link: &Arc<dyn Link>, frame: Frame, payload_len: u64) -> Delivery {
+        let mut replies = Vec::new();
+        let delivery = {
+            let mut rx = lock(&self.rx);
+            let known = rx.links.contains_key(&link.id());
+            if payload_len > 0 && !matches!(frame, Frame::Chunk(_)) {
+                Delivery::CloseLink("payload on a control frame".into())
+            } else {
+                match frame {
+                    Frame::Hello { .. } if known => Delivery::CloseLink("second hello on a link".into()),
+                    Frame::Hello { version, geometry } => {
+                        let verdict = if version != PROTOCOL_VERSION {
+                            Err(format!("protocol version: receiver speaks {PROTOCOL_VERSION}, sender {version}"))
+                        } else {
+                            self.memory
+                                .geometry()
+                                .check_compatible(&geometry)
+                                .map_err(|e| format!("receiver vs sender: {}", e.to_string().trim_start_matches("KV handshake refused: ")))
+                        };
+                        match verdict {
+                            Ok(()) => {
+                                rx.links.insert(link.id(), RxLink { link: Arc::clone(link) });
+                                replies.push((Arc::clone(link), Frame::HelloAck { version: PROTOCOL_VERSION }, false));
+                            }
+                            Err(reason) => {
+                                tracing::warn!(peer = link.peer(), %reason, "KV handshake refused");
+                                replies.push((Arc::clone(link), Frame::HelloReject { reason }, true));
+                            }
+                        }
+                        Delivery::Discard
+                    }
+                    _ if !known => Delivery::CloseLink("frame before handshake".into()),
+                    Frame::Start { id, num_blocks, blocks_hash } => {
+                        self.rx_start(&mut rx, link, id, num_blocks, blocks_hash, &mut replies);
+                        Delivery::Discard
+                    }
+                    Frame::Chunk(h) => self.rx_chunk(&mut rx, link, h, payload_len, &mut replies),
+                    Frame::Abort { id, code, reason } => {
+                        if rx.transfers.get(&id).is_some_and(|t| t.link == Some(link.id())) {
+                            let err = match code {
+                                AbortCode::Cancelled => Error::Cancelled { id, by: "sender" },
+                                _ => Error::Rejected { id, reason: format!("sender aborted: {reason}") },
+                            };
+                            self.rx_end(&mut rx, id, Err(err), None, &mut replies);
+                        }
+                        Delivery::Discard
+                    }
+                    Frame::HelloAck { .. } | Frame::HelloReject { .. } | Frame::Done { .. } => {
+                        Delivery::CloseLink("reply frame on an incoming link".into())
+                    }
+                }
+            }
+        };
+        self.reply(replies);
+        delivery
+    }
+
+    fn rx_start(&self, rx: &mut Rx, link: &Arc<dyn Link>, id: u64, num_blocks: u32, hash: u64, replies: &mut Replies) {
+        let Some(t) = rx.transfers.get_mut(&id) else {
+            let reason = "no such transfer is expected here (unknown id, or already finished, cancelled or timed out)";
+            replies.push((Arc::clone(link), Frame::Abort { id, code: AbortCode::Rejected, reason: reason.into() }, false));
+            return;
+        };
+        if t.link.is_some() {
+            let e = Error::Integrity { id, reason: "duplicate start".into() };
+            self.rx_end(rx, id, Err(e), Some(AbortCode::Integrity), replies);
+            return;
+        }
+        t.link = Some(link.id());
+        t.started = Some(Instant::now());
+        if num_blocks as usize != t.blocks.len() || hash != t.blocks_hash {
+            let reason = format!(
+                "destination blocks differ from the {} the receiver allocated (sender names {num_blocks})",
+                t.blocks.len()
+            );
+            self.rx_end(rx, id, Err(Error::Rejected { id, reason }), Some(AbortCode::Rejected), replies);
+            return;
+        }
+        if t.blocks.is_empty() {
+            replies.push((Arc::clone(link), Frame::Done { id }, false));
+            self.rx_end(rx, id, Ok(()), None, replies);
+        }
+    }
+
+    fn rx_chunk(&self, rx: &mut Rx, link: &Arc<dyn Link>, h: ChunkHeader, payload_len: u64, replies: &mut Replies) -> Delivery {
+        let geometry = self.memory.geometry();
+        let bb = geometry.block_bytes() as u64;
+        if payload_len > u64::from(MAX_CHUNK_BLOCKS) * bb {
+            return Delivery::CloseLink(format!("chunk payload of {payload_len} bytes exceeds the protocol limit"));
+        }
+        let id = h.id;
+        let Some(t) = rx.transfers.get_mut(&id) else {
+            let reason = "unexpected chunk: no such transfer in flight here";
+            replies.push((Arc::clone(link), Frame::Abort { id, code: AbortCode::Rejected, reason: reason.into() }, false));
+            return Delivery::Discard;
+        };
+        let n = t.blocks.len() as u64;
+        let problem = if t.link != Some(link.id()) {
+            Some("chunk before its start frame, or from another link".to_string())
+        } else if t.doomed.is_some() || t.pending.is_some() {
+            Some("chunk while the previous one is still landing".to_string())
+        } else if h.layer != t.next_layer || h.block_start != t.next_block {
+            Some(format!(
+                "expected layer {} block {}, got layer {} block {} (reordered or duplicated chunk)",
+                t.next_layer, t.next_block, h.layer, h.block_start
+            ))
+        } else if h.block_count == 0 || u64::from(h.block_start) + u64::from(h.block_count) > n || h.block_count > MAX_CHUNK_BLOCKS {
+            Some(format!("block range {}+{} outside the transfer's {n} blocks", h.block_start, h.block_count))
+        } else if h.byte_len != u64::from(h.block_count) * bb || payload_len != h.byte_len {
+            Some(format!(
+                "chunk of {} blocks must carry {} bytes; header says {}, payload has {payload_len} (truncated or padded)",
+                h.block_count,
+                u64::from(h.block_count) * bb,
+                h.byte_len
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = problem {
+            self.rx_end(rx, id, Err(Error::Integrity { id, reason }), Some(AbortCode::Integrity), replies);
+            return Delivery::Discard;
+        }
+        let start = h.block_start as usize;
+        let iovs = self.memory.iovs(h.layer, &t.blocks[start..start + h.block_count as usize]);
+        t.pending = Some(h);
+        Delivery::Into { iovs, token: id }
+    }
+
+    fn rx_payload(&self, token: u64, result: std::result::Result<(), String>) {
+        let id = token;
+        let header = {
+            let rx = lock(&self.rx);
+            match rx.transfers.get(&id).and_then(|t| t.pending.map(|h| (h, t.doomed.is_some(), t.blocks.clone()))) {
+                Some(v) => v,
+                None => return,
+            }
+        };
+        let (h, doomed, blocks) = header;
+        // Verify outside the lock: the claim is still ours and the payload is complete.
+        let verdict = match result {
+            Err(e) => Err(Error::LinkFailed { peer: "sender".into(), reason: format!("payload not delivered: {e}") }),
+            Ok(()) if doomed => Ok(()),
+            Ok(()) => {
+                let start = h.block_start as usize;
+                let iovs = self.memory.iovs(h.layer, &blocks[start..start + h.block_count as usize]);
+                let sum = checksum_iovs(&iovs);
+                if sum == h.checksum {
+                    Ok(())
+                } else {
+                    Err(Error::Integrity {
+                        id,
+                        reason: format!(
+                            "checksum mismatch in layer {} blocks {}..{}",
+                            h.layer,
+                            h.block_start,
+                            h.block_start + h.block_count
+                        ),
+                    })
+                }
+            }
+        };
+        let mut replies = Vec::new();
+        {
+            let mut rx = lock(&self.rx);
+            let num_layers = self.memory.geometry().num_layers();
+            let Some(t) = rx.transfers.get_mut(&id) else { return };
+            t.pending = None;
+            if let Some(e) = t.doomed.take() {
+                self.rx_end(&mut rx, id, Err(e), None, &mut replies);
+            } else if let Err(e) = verdict {
+                self.rx_end(&mut rx, id, Err(e), Some(AbortCode::Integrity), &mut replies);
+            } else {
+                t.bytes += h.byte_len;
+                t.next_block += h.block_count;
+                if t.next_block as usize == t.blocks.len() {
+                    t.next_block = 0;
+                    t.next_layer += 1;
+                    let (layers, bytes) = (t.next_layer, t.bytes);
+                    if layers < num_layers {
+                        t.progress.send_modify(|p| {
+                            p.layers = layers;
+                            p.bytes = bytes;
+                        });
+                    } else {
+                        if let Some(link) = t.link.and_then(|l| rx.links.get(&l)) {
+                            replies.push((Arc::clone(&link.link), Frame::Done { id }, false));
+                        }
+                        self.rx_end(&mut rx, id, Ok(()), None, &mut replies);
+                    }
+                }
+            }
+        }
+        self.reply(replies);
+    }
+
+    // ---------------------------------------------------------------- sender side
+
+    pub(crate) fn start_send(
+        self: &Arc<Self>,
+        transport: Arc<dyn Transport>,
+        desc: &TransferDescriptor,
+        src_blocks: Vec<u32>,
+        timeout: Duration,
+    ) -> Result<SendHandle> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Shutdown);
+        }
+        self.memory
+            .geometry()
+            .check_compatible(&desc.geometry)
+            .map_err(|e| Error::Incompatible(format!("descriptor vs this pool: {e}")))?;
+        if src_blocks.len() != desc.dst_blocks.len() {
+            return Err(Error::Invalid(format!(
+                "{} source blocks for {} destination blocks",
+                src_blocks.len(),
+                desc.dst_blocks.len()
+            )));
+        }
+        let mut claim = self.memory.claim(&src_blocks, false)?;
+        let released = claim.on_release();
+        let num_layers = self.memory.geometry().num_layers();
+        let (pushed, pushed_rx) = watch::channel(0u32);
+        let (cancel, cancel_rx) = watch::channel(false);
+        let (progress_tx, progress) = watch::channel(Progress::pending());
+        self.counters.sending.fetch_add(1, Ordering::AcqRel);
+        let job = SendJob {
+            core: Arc::clone(self),
+            transport,
+            desc: desc.clone(),
+            claim: Arc::new(claim),
+            pushed: pushed_rx,
+            progress: progress_tx,
+        };
+        self.rt.spawn(job.run(cancel_rx, released, timeout));
+        Ok(SendHandle { id: desc.id, num_layers, pushed, cancel, progress })
+    }
+
+    /// The handshaken link to `endpoint`, reusing a live one.
+    async fn link_to(&self, transport: &Arc<dyn Transport>, endpoint: &str) -> Result<Arc<OutLink>> {
+        let slot = Arc::clone(lock(&self.tx).endpoints.entry(endpoint.to_string()).or_default());
+        let mut slot = slot.lock().await;
+        if let Some(out) = slot.as_ref()
+            && !out.dead.load(Ordering::Acquire)
+        {
+            return Ok(Arc::clone(out));
+        }
+        let unreachable = |reason: String| Error::Unreachable { endpoint: endpoint.to_string(), reason };
+        let link = tokio::time::timeout(self.config.connect_timeout, transport.connect(endpoint))
+            .await
+            .map_err(|_| unreachable(format!("no connection within {:?}", self.config.connect_timeout)))??;
+        let (hello_tx, hello_rx) = oneshot::channel();
+        let out = Arc::new(OutLink { link: Arc::clone(&link), hello: Mutex::new(Some(hello_tx)), dead: AtomicBool::new(false) });
+        lock(&self.tx).links.insert(link.id(), Arc::clone(&out));
+        let hello = Frame::Hello { version: PROTOCOL_VERSION, geometry: self.memory.geometry().clone() };
+        let handshake = async {
+            link.send(hello.encode(), Payload::empty()).await?;
+            match tokio::time::timeout(self.config.connect_timeout, hello_rx).await {
+                Ok(Ok(verdict)) => verdict,
+                Ok(Err(_)) => Err(unreachable("link closed during the handshake".into())),
+                Err(_) => Err(unreachable("no handshake reply".into())),
+            }
+        };
+        if let Err(e) = handshake.await {
+            out.dead.store(true, Ordering::Release);
+            lock(&self.tx).links.remove(&link.id());
+            link.close();
+            return Err(e);
+        }
+        *slot = Some(Arc::clone(&out));
+        Ok(out)
+    }
+
+    fn tx_message(&self, out: &Arc<OutLink>, frame: Frame) -> Delivery {
+        let link_id = out.link.id();
+        match frame {
+            Frame::HelloAck { version } => {
+                let verdict = if version == PROTOCOL_VERSION {
+                    Ok(())
+                } else {
+                    Err(Error::Incompatible(format!("protocol version: sender speaks {PROTOCOL_VERSION}, receiver {version}")))
+                };
+                if let Some(tx) = lock(&out.hello).take() {
+                    let _ = tx.send(verdict);
+                }
+                Delivery::Discard
+            }
+            Frame::HelloReject { reason } => {
+                if let Some(tx) = lock(&out.hello).take() {
+                    let _ = tx.send(Err(Error::Incompatible(reason)));
+                }
+                Delivery::Discard
+            }
+            Frame::Done { id } => {
+                if let Some(tx) = lock(&self.tx).pending.remove(&(link_id, id)) {
+                    let _ = tx.send(Ok(()));
+                }
+                Delivery::Discard
+            }
+            Frame::Abort { id, code, reason } => {
+                if let Some(tx) = lock(&self.tx).pending.remove(&(link_id, id)) {
+                    let err = match code {
+                        AbortCode::Cancelled => Error::Cancelled { id, by: "receiver" },
+                        AbortCode::Integrity => Error::Integrity { id, reason },
+                        AbortCode::Rejected | AbortCode::Timeout | AbortCode::Internal => Error::Rejected { id, reason },
+                    };
+                    let _ = tx.send(Err(err));
+                }
+                Delivery::Discard
+            }
+            Frame::Hello { .. } | Frame::Start { .. } | Frame::Chunk(_) => {
+                Delivery::CloseLink("sender-side frame on an outgoing link".into())
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- bookkeeping
+
+    pub(crate) fn metrics(&self) -> Metrics {
+        let c = &self.counters;
+        Metrics {
+            sent_ok: c.sent_ok.load(Ordering::Relaxed),
+            sent_failed: c.sent_failed.load(Ordering::Relaxed),
+            received_ok: c.received_ok.load(Ordering::Relaxed),
+            received_failed: c.received_failed.load(Ordering::Relaxed),
+            bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: c.bytes_received.load(Ordering::Relaxed),
+            last_send_bytes_per_sec: c.last_send_bps.load(Ordering::Relaxed),
+            last_recv_bytes_per_sec: c.last_recv_bps.load(Ordering::Relaxed),
+            sending: c.sending.load(Ordering::Acquire),
+            receiving: lock(&self.rx).transfers.len(),
+        }
+    }
+
+    /// Fails everything; called after the transport stopped calling back.
+    pub(crate) fn shutdown(&self) {
+        self.closed.store(true, Ordering::Release);
+        let mut replies = Vec::new();
+        {
+            let mut rx = lock(&self.rx);
+            let ids: Vec<u64> = rx.transfers.keys().copied().collect();
+            for id in ids {
+                if let Some(t) = rx.transfers.get_mut(&id) {
+                    t.pending = None; // the transport has stopped: nothing writes any more
+                    t.doomed = None;
+                }
+                self.rx_end(&mut rx, id, Err(Error::Shutdown), None, &mut replies);
+            }
+            rx.links.clear();
+        }
+        let mut tx = lock(&self.tx);
+        for (_, waiter) in tx.pending.drain() {
+            let _ = waiter.send(Err(Error::Shutdown));
+        }
+        for (_, out) in tx.links.drain() {
+            out.dead.store(true, Ordering::Release);
+        }
+        tx.endpoints.clear();
+    }
+}
+
+impl Inbox for Core {
+    fn on_message(&self, link: &Arc<dyn Link>, header: &[u8], payload_len: u64) -> Delivery {
+        let frame = match Frame::decode(header) {
+            Ok(f) => f,
+            Err(e) => return Delivery::CloseLink(e.to_string()),
+        };
+        let out = lock(&self.tx).links.get(&link.id()).cloned();
+        match out {
+            Some(out) if payload_len == 0 => self.tx_message(&out, frame),
+            Some(_) => Delivery::CloseLink("payload on an outgoing link".into()),
+            None => self.rx_message(link, frame, payload_len),
+        }
+    }
+
+    fn on_payload(&self, _link: &Arc<dyn Link>, token: u64, result: std::result::Result<(), String>) {
+        self.rx_payload(token, result);
+    }
+
+    fn on_link_closed(&self, link: &Arc<dyn Link>, reason: String) {
+        let link_id = link.id();
+        let err = Error::LinkFailed { peer: link.peer().to_string(), reason };
+        // Sender side: fail the handshake and every transfer waiting on this link.
+        {
+            let mut tx = lock(&self.tx);
+            if let Some(out) = tx.links.remove(&link_id) {
+                out.dead.store(true, Ordering::Release);
+                if let Some(h) = lock(&out.hello).take() {
+                    let _ = h.send(Err(err.clone()));
+                }
+                let keys: Vec<(u64, u64)> = tx.pending.keys().filter(|k| k.0 == link_id).copied().collect();
+                for k in keys {
+                    if let Some(w) = tx.pending.remove(&k) {
+                        let _ = w.send(Err(err.clone()));
+                    }
+                }
+            }
+        }
+        // Receiver side: fail every transfer that came over it.
+        let mut replies = Vec::new();
+        {
+            let mut rx = lock(&self.rx);
+            rx.links.remove(&link_id);
+            let ids: Vec<u64> = rx.transfers.iter().filter(|(_, t)| t.link == Some(link_id)).map(|(id, _)| *id).collect();
+            for id in ids {
+                if let Some(t) = rx.transfers.get_mut(&id) {
+                    // The transport called on_payload for anything pending before closing the link.
+                    t.pending = None;
+                    let e = t.doomed.take().unwrap_or_else(|| err.clone());
+                    self.rx_end(&mut rx, id, Err(e), None, &mut replies);
+                }
+            }
+        }
+        self.reply(replies);
+    }
+}
+
+/// One sender task's inputs.
+struct SendJob {
+    core: Arc<Core>,
+    transport: Arc<dyn Transport>,
+    desc: TransferDescriptor,
+    claim: Arc<Claim>,
+    pushed: watch::Receiver<u32>,
+    progress: watch::Sender<Progress>,
+}
+
+impl SendJob {
+    async fn run(mut self, mut cancel: watch::Receiver<bool>, released: oneshot::Receiver<()>, timeout: Duration) {
+        let started = Instant::now();
+        let id = self.desc.id;
+        let mut linked: Option<Arc<dyn Link>> = None;
+        let outcome = {
+            // Cancellation is honoured between chunks (never by abandoning a half-sent chunk on a shared
+            // link); the deadline does abandon it, and the transport then closes that stuck link.
+            let body = self.body(&mut linked, &mut cancel);
+            tokio::select! {
+                r = body => r,
+                _ = tokio::time::sleep(timeout) => Err(Error::Timeout { id, after_ms: timeout.as_millis() as u64 }),
+            }
+        };
+        let core = Arc::clone(&self.core);
+        if let Some(link) = &linked {
+            lock(&core.tx).pending.remove(&(link.id(), id));
+            let code = match &outcome {
+                Err(Error::Cancelled { by: "sender", .. }) => Some(AbortCode::Cancelled),
+                Err(Error::Timeout { .. }) => Some(AbortCode::Timeout),
+                _ => None,
+            };
+            if let (Some(code), Err(e)) = (code, &outcome) {
+                core.reply(vec![(Arc::clone(link), Frame::Abort { id, code, reason: e.to_string() }, false)]);
+            }
+        }
+        let bytes = self.progress.borrow().bytes;
+        // Wait until no transport reads the source blocks any more, then publish the verdict.
+        let SendJob { claim, progress, .. } = self;
+        drop(claim);
+        let _ = released.await;
+        let state = match outcome {
+            Ok(()) => {
+                let stats = TransferStats { bytes, elapsed: started.elapsed() };
+                core.counters.sent_ok.fetch_add(1, Ordering::Relaxed);
+                core.counters.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+                core.counters.last_send_bps.store(stats.bytes_per_sec() as u64, Ordering::Relaxed);
+                tracing::debug!(id, bytes, mb_per_s = stats.bytes_per_sec() / 1e6, "KV transfer sent");
+                TransferState::Complete(stats)
+            }
+            Err(e) => {
+                core.counters.sent_failed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(id, error = %e, "KV transfer failed (sender)");
+                TransferState::Failed(e)
+            }
+        };
+        core.counters.sending.fetch_sub(1, Ordering::AcqRel);
+        let num_layers = core.memory.geometry().num_layers();
+        progress.send_modify(|p| {
+            if matches!(state, TransferState::Complete(_)) {
+                p.layers = num_layers;
+            }
+            p.state = state;
+        });
+    }
+
+    async fn body(&mut self, linked: &mut Option<Arc<dyn Link>>, cancel: &mut watch::Receiver<bool>) -> Result<()> {
+        let core = Arc::clone(&self.core);
+        let memory = core.memory();
+        let desc = &self.desc;
+        let cancelled = Error::Cancelled { id: desc.id, by: "sender" };
+        let out = tokio::select! {
+            r = core.link_to(&self.transport, &desc.endpoint) => r?,
+            _ = cancel.wait_for(|c| *c) => return Err(cancelled),
+        };
+        let link = Arc::clone(&out.link);
+        let (done_tx, mut done_rx) = oneshot::channel();
+        lock(&core.tx).pending.insert((link.id(), desc.id), done_tx);
+        *linked = Some(Arc::clone(&link));
+        if out.dead.load(Ordering::Acquire) {
+            return Err(Error::LinkFailed { peer: link.peer().to_string(), reason: "link closed".into() });
+        }
+        let start = Frame::Start { id: desc.id, num_blocks: desc.dst_blocks.len() as u32, blocks_hash: frame::blocks_hash(&desc.dst_blocks) };
+        link.send(start.encode(), Payload::empty()).await?;
+
+        let n = self.claim.blocks().len();
+        let bb = memory.geometry().block_bytes();
+        let per_chunk = (core.config.max_chunk_bytes / bb).clamp(1, MAX_CHUNK_BLOCKS as usize);
+        let num_layers = memory.geometry().num_layers();
+        if n > 0 {
+            for layer in 0..num_layers {
+                // Wait until the owner pushed this layer, unless the receiver already gave up.
+                tokio::select! {
+                    r = self.pushed.wait_for(|p| *p > layer) => {
+                        if r.is_err() {
+                            return Err(cancelled);
+                        }
+                    }
+                    verdict = &mut done_rx => return Err(early(desc.id, verdict)),
+                    _ = cancel.wait_for(|c| *c) => return Err(cancelled),
+                }
+                for first in (0..n).step_by(per_chunk) {
+                    let count = per_chunk.min(n - first);
+                    let blocks = &self.claim.blocks()[first..first + count];
+                    let iovs = memory.iovs(layer, blocks);
+                    let header = ChunkHeader {
+                        id: desc.id,
+                        layer,
+                        block_start: first as u32,
+                        block_count: count as u32,
+                        byte_len: (count * bb) as u64,
+                        checksum: checksum_iovs(&iovs),
+                    };
+                    if *cancel.borrow() {
+                        return Err(cancelled);
+                    }
+                    match done_rx.try_recv() {
+                        Err(oneshot::error::TryRecvError::Empty) => {}
+                        Ok(verdict) => return Err(early(desc.id, Ok(verdict))),
+                        Err(oneshot::error::TryRecvError::Closed) => return Err(Error::Shutdown),
+                    }
+                    let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
+                    link.send(Frame::Chunk(header).encode(), Payload::new(iovs, hold)).await?;
+                    self.progress.send_modify(|p| p.bytes += header.byte_len);
+                }
+                self.progress.send_modify(|p| p.layers = layer + 1);
+            }
+        }
+        tokio::select! {
+            verdict = done_rx => match verdict {
+                Ok(verdict) => verdict,
+                Err(_) => Err(Error::LinkFailed { peer: link.peer().to_string(), reason: "connector shut down".into() }),
+            },
+            _ = cancel.wait_for(|c| *c) => Err(cancelled),
+        }
+    }
+}
+
+/// The receiver answered before we finished sending: that is always a failure.
+fn early(id: u64, verdict: std::result::Result<Result<()>, oneshot::error::RecvError>) -> Error {
+    match verdict {
+        Ok(Err(e)) => e,
+        Ok(Ok(())) => Error::Integrity { id, reason: "receiver reported completion before every chunk was sent".into() },
+        Err(_) => Error::Shutdown,
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Release);
+    }
+}

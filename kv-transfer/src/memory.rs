@@ -1,0 +1,417 @@
+//! Registered block memory: for every layer, one contiguous array of `num_blocks` blocks of
+//! `geometry.block_bytes()` each, in host or device memory. Connectors read sent blocks from it and
+//! write received blocks into it in place: the hot path never copies a block through a staging buffer.
+//!
+//! Invariants:
+//! - Every in-flight transfer holds a claim on its blocks: shared for a send (readers), exclusive for a
+//!   receive (one writer). Claims are taken all-or-nothing and released exactly once, when the transfer
+//!   ends however it ends (RAII [`Claim`]). [`KvMemory::claimed_blocks`] is 0 when nothing is in flight.
+//! - The safe accessors ([`KvMemory::write_block`], [`KvMemory::read_block`]) take the same claims for the
+//!   duration of the call, so safe code can never race a transfer.
+//! - Memory registered with [`KvMemory::from_raw`] is also touched by its owner outside these claims; the
+//!   owner promises (that is the `unsafe` contract) not to touch blocks while a transfer claims them.
+
+use std::alloc::Layout as AllocLayout;
+use std::any::Any;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+
+use crate::error::{Error, Result};
+use crate::geometry::Geometry;
+
+/// Where block memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Ordinary host memory.
+    Host,
+    /// CUDA device memory of one device ordinal.
+    Cuda {
+        /// The device ordinal.
+        device: i32,
+    },
+}
+
+/// One contiguous piece of a payload: an address in memory of `kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Iov {
+    /// Start address.
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+    /// Host or device.
+    pub kind: MemoryKind,
+}
+
+const WRITER: i32 = -1;
+const ALIGN: usize = 64;
+
+/// A block pool registered for transfers. Shared (`Arc`) between the connector and the pool's owner.
+pub struct KvMemory {
+    geometry: Geometry,
+    num_blocks: u32,
+    kind: MemoryKind,
+    /// Base address of each layer's block array.
+    layers: Vec<usize>,
+    /// Per block (across all layers): 0 free, n > 0 readers, -1 one writer.
+    claims: Box<[AtomicI32]>,
+    claimed: AtomicUsize,
+    /// Keeps externally registered memory alive; `None` for memory this type allocated itself.
+    _owner: Option<Box<dyn Any + Send + Sync>>,
+    owned: bool,
+}
+
+impl std::fmt::Debug for KvMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvMemory")
+            .field("geometry", &self.geometry)
+            .field("num_blocks", &self.num_blocks)
+            .field("kind", &self.kind)
+            .field("claimed_blocks", &self.claimed_blocks())
+            .finish()
+    }
+}
+
+impl KvMemory {
+    /// Allocates zeroed host memory for `num_blocks` blocks of every layer.
+    pub fn host(geometry: Geometry, num_blocks: u32) -> Result<Arc<KvMemory>> {
+        let layer_bytes = Self::layer_bytes(&geometry, num_blocks)?;
+        let mut layers = Vec::with_capacity(geometry.num_layers() as usize);
+        for _ in 0..geometry.num_layers() {
+            if layer_bytes == 0 {
+                layers.push(ALIGN); // dangling but aligned, never dereferenced: no blocks
+                continue;
+            }
+            let layout = AllocLayout::from_size_align(layer_bytes, ALIGN)
+                .map_err(|e| Error::Invalid(format!("block pool of {layer_bytes} bytes per layer: {e}")))?;
+            // SAFETY: layout has non-zero size (checked above).
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+            if ptr.is_null() {
+                // Free what we got so far before failing.
+                for &base in &layers {
+                    // SAFETY: every earlier base came from alloc_zeroed with this same layout.
+                    unsafe { std::alloc::dealloc(base as *mut u8, layout) };
+                }
+                return Err(Error::Invalid(format!("cannot allocate {layer_bytes} bytes of host KV memory")));
+            }
+            layers.push(ptr as usize);
+        }
+        Ok(Arc::new(KvMemory {
+            claims: (0..num_blocks).map(|_| AtomicI32::new(0)).collect(),
+            claimed: AtomicUsize::new(0),
+            geometry,
+            num_blocks,
+            kind: MemoryKind::Host,
+            layers,
+            _owner: None,
+            owned: true,
+        }))
+    }
+
+    /// Registers memory owned by someone else (an engine's KV cache, a CUDA allocation).
+    ///
+    /// # Safety
+    /// For every layer `l`, `layer_bases[l]` must point to `num_blocks * geometry.block_bytes()` bytes of
+    /// memory of `kind` that stay valid while the returned `KvMemory` lives (`owner` is kept alive with it
+    /// for that purpose). The caller must not read or write a block while a transfer claims it
+    /// (see [`KvMemory::claimed_blocks`]; in tandem the scheduler holds such blocks).
+    pub unsafe fn from_raw(
+        geometry: Geometry,
+        num_blocks: u32,
+        kind: MemoryKind,
+        layer_bases: Vec<*mut u8>,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Result<Arc<KvMemory>> {
+        Self::layer_bytes(&geometry, num_blocks)?;
+        if layer_bases.len() != geometry.num_layers() as usize {
+            return Err(Error::Invalid(format!(
+                "{} layer bases for {} layers",
+                layer_bases.len(),
+                geometry.num_layers()
+            )));
+        }
+        if layer_bases.iter().any(|p| p.is_null()) {
+            return Err(Error::Invalid("null layer base".into()));
+        }
+        Ok(Arc::new(KvMemory {
+            claims: (0..num_blocks).map(|_| AtomicI32::new(0)).collect(),
+            claimed: AtomicUsize::new(0),
+            geometry,
+            num_blocks,
+            kind,
+            layers: layer_bases.into_iter().map(|p| p as usize).collect(),
+            _owner: Some(owner),
+            owned: false,
+        }))
+    }
+
+    fn layer_bytes(geometry: &Geometry, num_blocks: u32) -> Result<usize> {
+        (num_blocks as usize)
+            .checked_mul(geometry.block_bytes())
+            .filter(|&b| b <= isize::MAX as usize / 2)
+            .ok_or_else(|| Error::Invalid(format!("{num_blocks} blocks do not fit in memory")))
+    }
+
+    /// The pool's geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// Blocks per layer.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Host or device.
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// Blocks currently claimed by in-flight transfers (or by a safe accessor mid-call).
+    pub fn claimed_blocks(&self) -> usize {
+        self.claimed.load(Ordering::Acquire)
+    }
+
+    /// Address of one block of one layer; `layer` and `block` must be in range.
+    pub(crate) fn block_addr(&self, layer: u32, block: u32) -> usize {
+        debug_assert!(layer < self.geometry.num_layers() && block < self.num_blocks);
+        self.layers[layer as usize] + block as usize * self.geometry.block_bytes()
+    }
+
+    /// The iovecs covering `blocks` of `layer`, in order, adjacent blocks merged.
+    pub(crate) fn iovs(&self, layer: u32, blocks: &[u32]) -> Vec<Iov> {
+        let bb = self.geometry.block_bytes();
+        let mut out: Vec<Iov> = Vec::new();
+        for &b in blocks {
+            let addr = self.block_addr(layer, b);
+            match out.last_mut() {
+                Some(last) if last.addr + last.len == addr => last.len += bb,
+                _ => out.push(Iov { addr, len: bb, kind: self.kind }),
+            }
+        }
+        out
+    }
+
+    /// Checks that `blocks` are in range and distinct.
+    pub(crate) fn check_blocks(&self, blocks: &[u32]) -> Result<()> {
+        let mut seen = vec![false; self.num_blocks as usize];
+        for &b in blocks {
+            let slot = seen.get_mut(b as usize).ok_or_else(|| {
+                Error::Invalid(format!("block {b} out of range (pool has {} blocks)", self.num_blocks))
+            })?;
+            if std::mem::replace(slot, true) {
+                return Err(Error::Invalid(format!("block {b} listed twice")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Claims `blocks` (validated: in range, distinct) for reading or writing, all or nothing.
+    pub(crate) fn claim(self: &Arc<Self>, blocks: &[u32], write: bool) -> Result<Claim> {
+        self.check_blocks(blocks)?;
+        for (i, &b) in blocks.iter().enumerate() {
+            let slot = &self.claims[b as usize];
+            let ok = if write {
+                slot.compare_exchange(0, WRITER, Ordering::AcqRel, Ordering::Acquire).is_ok()
+            } else {
+                slot.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| (c >= 0).then_some(c + 1)).is_ok()
+            };
+            if !ok {
+                for &done in &blocks[..i] {
+                    self.unclaim_one(done, write);
+                }
+                let what = if write { "written" } else { "read" };
+                return Err(Error::BlocksBusy(format!(
+                    "block {b} cannot be {what}: another transfer is using it"
+                )));
+            }
+        }
+        self.claimed.fetch_add(blocks.len(), Ordering::AcqRel);
+        Ok(Claim { memory: Arc::clone(self), blocks: blocks.to_vec(), write, released: None })
+    }
+
+    fn unclaim_one(&self, block: u32, write: bool) {
+        let slot = &self.claims[block as usize];
+        if write {
+            let prev = slot.swap(0, Ordering::AcqRel);
+            debug_assert_eq!(prev, WRITER);
+        } else {
+            let prev = slot.fetch_sub(1, Ordering::AcqRel);
+            debug_assert!(prev > 0);
+        }
+    }
+
+    fn check_host_block(&self, layer: u32, block: u32, len: usize) -> Result<()> {
+        if self.kind != MemoryKind::Host {
+            return Err(Error::Unsupported { backend: "KvMemory".into(), what: "safe access to device memory".into() });
+        }
+        if layer >= self.geometry.num_layers() {
+            return Err(Error::Invalid(format!("layer {layer} out of range")));
+        }
+        if len != self.geometry.block_bytes() {
+            return Err(Error::Invalid(format!("buffer of {len} bytes for a {}-byte block", self.geometry.block_bytes())));
+        }
+        let _ = block;
+        Ok(())
+    }
+
+    /// Copies `data` (exactly one block) into `block` of `layer`. Fails if a transfer claims the block.
+    pub fn write_block(self: &Arc<Self>, layer: u32, block: u32, data: &[u8]) -> Result<()> {
+        self.check_host_block(layer, block, data.len())?;
+        let _claim = self.claim(&[block], true)?;
+        // SAFETY: host memory, block in range (claim checked it), we hold the exclusive claim so no transfer
+        // touches it, and `data` is a separate borrow of exactly block_bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.block_addr(layer, block) as *mut u8, data.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `block` of `layer` into `out` (exactly one block). Fails if a transfer writes the block.
+    pub fn read_block(self: &Arc<Self>, layer: u32, block: u32, out: &mut [u8]) -> Result<()> {
+        self.check_host_block(layer, block, out.len())?;
+        let _claim = self.claim(&[block], false)?;
+        // SAFETY: host memory, block in range, a shared claim excludes writers, `out` is a distinct buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.block_addr(layer, block) as *const u8, out.as_mut_ptr(), out.len());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for KvMemory {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let bytes = self.num_blocks as usize * self.geometry.block_bytes();
+        if bytes == 0 {
+            return;
+        }
+        let layout = AllocLayout::from_size_align(bytes, ALIGN).expect("layout was valid at allocation");
+        for &base in &self.layers {
+            // SAFETY: allocated in `host` with exactly this layout; dropped once.
+            unsafe { std::alloc::dealloc(base as *mut u8, layout) };
+        }
+    }
+}
+
+/// A transfer's hold on its blocks; released on drop, exactly once.
+#[derive(Debug)]
+pub(crate) struct Claim {
+    memory: Arc<KvMemory>,
+    blocks: Vec<u32>,
+    write: bool,
+    released: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Claim {
+    /// A receiver that resolves once this claim is dropped (its blocks are free again).
+    pub(crate) fn on_release(&mut self) -> tokio::sync::oneshot::Receiver<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.released = Some(tx);
+        rx
+    }
+    pub(crate) fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        for &b in &self.blocks {
+            self.memory.unclaim_one(b, self.write);
+        }
+        self.memory.claimed.fetch_sub(self.blocks.len(), Ordering::AcqRel);
+        if let Some(tx) = self.released.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::tests::small;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn write_then_read_round_trips_and_claims_are_released() {
+        let m = KvMemory::host(small("m"), 5).unwrap();
+        let bb = m.geometry().block_bytes();
+        let data: Vec<u8> = (0..bb).map(|i| (i * 7 + 3) as u8).collect();
+        m.write_block(2, 4, &data).unwrap();
+        let mut out = vec![0u8; bb];
+        m.read_block(2, 4, &mut out).unwrap();
+        assert_eq!(out, data);
+        m.read_block(1, 4, &mut out).unwrap();
+        assert!(out.iter().all(|&b| b == 0), "other layers untouched");
+        assert_eq!(m.claimed_blocks(), 0);
+        assert!(m.write_block(3, 0, &data).is_err(), "layer out of range");
+        assert!(m.write_block(0, 5, &data).is_err(), "block out of range");
+        assert!(m.write_block(0, 0, &data[1..]).is_err(), "short buffer");
+    }
+
+    #[test]
+    fn writers_exclude_everyone_readers_share() {
+        let m = KvMemory::host(small("m"), 4).unwrap();
+        let r1 = m.claim(&[0, 1], false).unwrap();
+        let r2 = m.claim(&[1, 2], false).unwrap();
+        assert_eq!(m.claimed_blocks(), 4);
+        assert!(matches!(m.claim(&[2, 3], true), Err(Error::BlocksBusy(_))));
+        assert_eq!(m.claimed_blocks(), 4, "a failed claim leaves nothing behind");
+        drop(r2);
+        let w = m.claim(&[2, 3], true).unwrap();
+        assert!(m.claim(&[3], false).is_err());
+        assert!(m.claim(&[0, 0], false).is_err(), "duplicates refused");
+        drop((r1, w));
+        assert_eq!(m.claimed_blocks(), 0);
+    }
+
+    /// Random claim/release sequences never leave a block both written and read, and always balance.
+    #[test]
+    fn random_claims_balance() {
+        let m = KvMemory::host(small("m"), 16).unwrap();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let mut held: Vec<Claim> = Vec::new();
+        for _ in 0..20_000 {
+            if rng.random_bool(0.5) && !held.is_empty() {
+                let i = rng.random_range(0..held.len());
+                held.swap_remove(i);
+            } else {
+                let n = rng.random_range(0..4);
+                let mut blocks: Vec<u32> = (0..n).map(|_| rng.random_range(0..16)).collect();
+                blocks.sort_unstable();
+                blocks.dedup();
+                if let Ok(c) = m.claim(&blocks, rng.random_bool(0.3)) {
+                    held.push(c);
+                }
+            }
+            let mut readers = [0i32; 16];
+            let mut writers = [0i32; 16];
+            for c in &held {
+                for &b in c.blocks() {
+                    if c.write { writers[b as usize] += 1 } else { readers[b as usize] += 1 }
+                }
+            }
+            for b in 0..16 {
+                assert!(writers[b] <= 1 && (writers[b] == 0 || readers[b] == 0));
+            }
+            let total: usize = held.iter().map(|c| c.blocks().len()).sum();
+            assert_eq!(m.claimed_blocks(), total);
+        }
+        held.clear();
+        assert_eq!(m.claimed_blocks(), 0);
+    }
+
+    #[test]
+    fn iovs_merge_adjacent_blocks() {
+        let m = KvMemory::host(small("m"), 8).unwrap();
+        let bb = m.geometry().block_bytes();
+        let iovs = m.iovs(1, &[2, 3, 4, 7, 0]);
+        assert_eq!(iovs.len(), 3);
+        assert_eq!(iovs[0].len, 3 * bb);
+        assert_eq!(iovs[0].addr, m.block_addr(1, 2));
+        assert_eq!(iovs[1].addr, m.block_addr(1, 7));
+        assert_eq!(iovs[2].addr, m.block_addr(1, 0));
+    }
+}

@@ -1,0 +1,134 @@
+//! The plug point under the connector: a [`Transport`] moves *messages* (a frame header plus an optional
+//! payload gathered from / scattered into block memory) over [`Link`]s, and hands incoming ones to an
+//! [`Inbox`]. Handshake, checksums, ordering, timeouts and cancellation live above it, in the connector,
+//! written once for every backend. The C ABI in `include/tandem_kv.h` is this same contract for shared
+//! libraries ([`plugin`]).
+//!
+//! Invariants every transport keeps:
+//! - A link delivers messages whole, in the order their `send` futures completed, never interleaved.
+//! - The payload of a delivered message is written only into the iovecs the inbox returned, and
+//!   `Inbox::on_payload` is called exactly once for every `Delivery::Into` (success or failure).
+//! - After a link fails, `Inbox::on_link_closed` is called once for it (not for links closed locally),
+//!   and no callback for that link follows.
+//! - A send future dropped before completion leaves the link unusable rather than half-written.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::memory::Iov;
+
+pub mod inproc;
+pub mod plugin;
+pub mod tcp;
+
+/// A boxed, sendable future (the transport traits stay object-safe without extra crates).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a transport can do; the bits equal the `TANDEM_KV_CAP_*` flags of the C header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities(pub u64);
+
+impl Capabilities {
+    /// Payloads in host memory.
+    pub const HOST_MEMORY: u64 = 1 << 0;
+    /// Payloads in CUDA device memory.
+    pub const DEVICE_MEMORY: u64 = 1 << 1;
+    /// Endpoints reachable from other hosts.
+    pub const CROSS_HOST: u64 = 1 << 2;
+    /// Endpoints reachable from other processes.
+    pub const CROSS_PROCESS: u64 = 1 << 3;
+
+    /// Whether every bit of `flag` is set.
+    pub fn has(self, flag: u64) -> bool {
+        self.0 & flag == flag
+    }
+}
+
+/// A payload to send: iovecs into registered memory, plus whatever keeps that memory claimed until the
+/// transport is done reading it (a transport that finishes in the background keeps the `Payload`).
+pub struct Payload {
+    iovs: Vec<Iov>,
+    _hold: Option<Arc<dyn Send + Sync>>,
+}
+
+impl Payload {
+    /// No payload.
+    pub fn empty() -> Payload {
+        Payload { iovs: Vec::new(), _hold: None }
+    }
+
+    /// A payload over `iovs`, kept valid by `hold`.
+    pub fn new(iovs: Vec<Iov>, hold: Arc<dyn Send + Sync>) -> Payload {
+        Payload { iovs, _hold: Some(hold) }
+    }
+
+    /// The pieces, in order.
+    pub fn iovs(&self) -> &[Iov] {
+        &self.iovs
+    }
+
+    /// Total bytes.
+    pub fn len(&self) -> u64 {
+        self.iovs.iter().map(|i| i.len as u64).sum()
+    }
+
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One reliable, ordered, bidirectional message stream to a peer.
+pub trait Link: Send + Sync {
+    /// Unique among the links of one transport instance, never reused.
+    fn id(&self) -> u64;
+    /// The peer, for error messages.
+    fn peer(&self) -> &str;
+    /// Sends one message; resolves once the payload memory is no longer read.
+    fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>>;
+    /// Closes the link; idempotent. Pending and later sends fail.
+    fn close(&self);
+}
+
+/// Where an incoming payload goes.
+#[derive(Debug)]
+pub enum Delivery {
+    /// Write the payload into these iovecs (their lengths sum to the payload length), then call
+    /// [`Inbox::on_payload`] with `token`.
+    Into {
+        /// Destination pieces, in order.
+        iovs: Vec<Iov>,
+        /// Passed back to `on_payload`.
+        token: u64,
+    },
+    /// Read and drop the payload (if any).
+    Discard,
+    /// The message is malformed or hostile: close the link.
+    CloseLink(String),
+}
+
+/// The receiving end a transport reports to (implemented by the connector core).
+pub trait Inbox: Send + Sync {
+    /// A message arrived on `link`.
+    fn on_message(&self, link: &Arc<dyn Link>, header: &[u8], payload_len: u64) -> Delivery;
+    /// The payload of a `Delivery::Into` was written (`Ok`) or could not be (`Err`).
+    fn on_payload(&self, link: &Arc<dyn Link>, token: u64, result: std::result::Result<(), String>);
+    /// The link failed; no more callbacks for it follow.
+    fn on_link_closed(&self, link: &Arc<dyn Link>, reason: String);
+}
+
+/// A backend: connects to endpoints and accepts links from peers.
+pub trait Transport: Send + Sync {
+    /// Short backend name ("tcp", "inproc", the plugin's name).
+    fn name(&self) -> &str;
+    /// What the backend supports.
+    fn capabilities(&self) -> Capabilities;
+    /// The endpoint peers pass to `connect` to reach this instance.
+    fn endpoint(&self) -> String;
+    /// Opens a new link to `endpoint`; fails fast when nobody is there.
+    fn connect<'a>(&'a self, endpoint: &'a str) -> BoxFuture<'a, Result<Arc<dyn Link>>>;
+    /// Closes every link and stops accepting. No inbox callback runs after it returns.
+    fn shutdown(&self);
+}

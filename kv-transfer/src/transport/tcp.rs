@@ -1,0 +1,365 @@
+//! The TCP backend (tokio): one connection per peer endpoint, reused by every transfer to it and
+//! multiplexed chunk by chunk. Sends write block memory straight to the socket and receives read the
+//! socket straight into the destination blocks, so the only copies are the kernel's.
+//!
+//! Invariants:
+//! - One writer at a time per connection (a FIFO mutex), and a message is written whole or the
+//!   connection is closed: a send abandoned mid-message (deadline) closes the link instead of leaving
+//!   half a frame on the wire.
+//! - The reader never buffers a payload: it reads at most a 64 KiB prefix buffer and the header (bounded by
+//!   `MAX_HEADER`), then the payload into the inbox's iovecs or through a fixed scratch buffer.
+//! - Every `Delivery::Into` is answered by one `on_payload`, also when the link closes mid-payload; a link
+//!   that fails reports `on_link_closed` once; a link closed locally reports nothing.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, Result};
+use crate::frame::{Frame, PREFIX_LEN};
+use crate::memory::MemoryKind;
+use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+
+/// Where the TCP backend listens and what it advertises.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// Listen address; port 0 picks a free port.
+    pub bind: SocketAddr,
+    /// Host name or IP that peers should dial (default: the bind IP, or 127.0.0.1 if that is unspecified).
+    pub advertise: Option<String>,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions { bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), advertise: None }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Closed {
+    Open,
+    Local,
+    Failed(String),
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The TCP transport; see the module doc.
+pub struct TcpTransport {
+    endpoint: String,
+    inbox: Arc<dyn Inbox>,
+    links: Mutex<HashMap<u64, Arc<TcpLink>>>,
+    next_link: AtomicU64,
+    accept: Mutex<Option<JoinHandle<()>>>,
+    shut: AtomicBool,
+    me: Weak<TcpTransport>,
+}
+
+impl TcpTransport {
+    /// Binds the listener and starts accepting links.
+    pub async fn bind(opts: &TcpOptions, inbox: Arc<dyn Inbox>) -> Result<Arc<TcpTransport>> {
+        let listener = TcpListener::bind(opts.bind)
+            .await
+            .map_err(|e| Error::Invalid(format!("cannot listen on {}: {e}", opts.bind)))?;
+        let local = listener.local_addr().map_err(|e| Error::Invalid(format!("listener address: {e}")))?;
+        let host = match &opts.advertise {
+            Some(h) => h.clone(),
+            None if local.ip().is_unspecified() => "127.0.0.1".to_string(),
+            None => local.ip().to_string(),
+        };
+        let endpoint = if host.contains(':') && !host.starts_with('[') {
+            format!("tcp://[{host}]:{}", local.port())
+        } else {
+            format!("tcp://{host}:{}", local.port())
+        };
+        let transport = Arc::new_cyclic(|me| TcpTransport {
+            endpoint,
+            inbox,
+            links: Mutex::new(HashMap::new()),
+            next_link: AtomicU64::new(1),
+            accept: Mutex::new(None),
+            shut: AtomicBool::new(false),
+            me: me.clone(),
+        });
+        let me = Arc::downgrade(&transport);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, peer)) = listener.accept().await else {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    continue;
+                };
+                let Some(t) = me.upgrade() else { return };
+                t.adopt(stream, peer.to_string());
+            }
+        });
+        *lock(&transport.accept) = Some(task);
+        Ok(transport)
+    }
+
+    /// Registers a connected stream as a link and starts its reader.
+    fn adopt(&self, stream: TcpStream, peer: String) -> Arc<TcpLink> {
+        let _ = stream.set_nodelay(true);
+        let (rd, wr) = stream.into_split();
+        let (closed, closed_rx) = watch::channel(Closed::Open);
+        let link = Arc::new(TcpLink {
+            id: self.next_link.fetch_add(1, Ordering::Relaxed),
+            peer,
+            writer: tokio::sync::Mutex::new(Some(wr)),
+            closed,
+        });
+        lock(&self.links).insert(link.id, Arc::clone(&link));
+        if self.shut.load(Ordering::Acquire) {
+            link.close();
+        }
+        let reader = Reader { inbox: Arc::clone(&self.inbox), link: Arc::clone(&link), transport: self.me.clone() };
+        tokio::spawn(reader.run(rd, closed_rx));
+        link
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &str {
+        "tcp"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities(Capabilities::HOST_MEMORY | Capabilities::CROSS_HOST | Capabilities::CROSS_PROCESS)
+    }
+
+    fn endpoint(&self) -> String {
+        self.endpoint.clone()
+    }
+
+    fn connect<'a>(&'a self, endpoint: &'a str) -> BoxFuture<'a, Result<Arc<dyn Link>>> {
+        Box::pin(async move {
+            let unreachable = |reason: String| Error::Unreachable { endpoint: endpoint.to_string(), reason };
+            let addr = endpoint
+                .strip_prefix("tcp://")
+                .ok_or_else(|| unreachable("not a tcp:// endpoint".into()))?;
+            if self.shut.load(Ordering::Acquire) {
+                return Err(Error::Shutdown);
+            }
+            let stream = TcpStream::connect(addr).await.map_err(|e| unreachable(e.to_string()))?;
+            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string());
+            Ok(link)
+        })
+    }
+
+    fn shutdown(&self) {
+        self.shut.store(true, Ordering::Release);
+        if let Some(task) = lock(&self.accept).take() {
+            task.abort();
+        }
+        let links: Vec<Arc<TcpLink>> = lock(&self.links).drain().map(|(_, l)| l).collect();
+        for link in links {
+            link.close();
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// One TCP connection.
+struct TcpLink {
+    id: u64,
+    peer: String,
+    writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
+    closed: watch::Sender<Closed>,
+}
+
+impl TcpLink {
+    fn fail(&self, reason: String) {
+        self.closed.send_if_modified(|c| {
+            if *c == Closed::Open {
+                *c = Closed::Failed(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    fn link_err(&self, reason: impl Into<String>) -> Error {
+        Error::LinkFailed { peer: self.peer.clone(), reason: reason.into() }
+    }
+
+    async fn write_message(&self, header: &[u8], payload: &Payload) -> Result<()> {
+        let mut guard = self.writer.lock().await;
+        let Some(wr) = guard.as_mut() else { return Err(self.link_err("link closed")) };
+        // Until the message is fully written, dropping this future (deadline) or failing leaves a torn
+        // frame: the guard closes the link in that case.
+        let mut torn = TornGuard { link: self, armed: true };
+        wr.write_all(header).await.map_err(|e| self.link_err(e.to_string()))?;
+        for iov in payload.iovs() {
+            if iov.kind != MemoryKind::Host {
+                return Err(Error::Unsupported { backend: "tcp".into(), what: "device memory".into() });
+            }
+            // SAFETY: the iovec comes from registered host memory; the payload's hold keeps the sender's
+            // claim alive until this future ends, so the owner does not write these blocks meanwhile.
+            let bytes = unsafe { std::slice::from_raw_parts(iov.addr as *const u8, iov.len) };
+            wr.write_all(bytes).await.map_err(|e| self.link_err(e.to_string()))?;
+        }
+        torn.armed = false;
+        Ok(())
+    }
+}
+
+struct TornGuard<'a> {
+    link: &'a TcpLink,
+    armed: bool,
+}
+
+impl Drop for TornGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.link.fail("a message was abandoned half-written".into());
+        }
+    }
+}
+
+impl Link for TcpLink {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let mut closed = self.closed.subscribe();
+            if *closed.borrow() != Closed::Open {
+                return Err(self.link_err("link closed"));
+            }
+            tokio::select! {
+                r = self.write_message(&header, &payload) => r,
+                _ = closed.wait_for(|c| *c != Closed::Open) => Err(self.link_err("link closed")),
+            }
+        })
+    }
+
+    fn close(&self) {
+        self.closed.send_if_modified(|c| {
+            if *c == Closed::Open {
+                *c = Closed::Local;
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+/// The reading half of one link, run as a task.
+struct Reader {
+    inbox: Arc<dyn Inbox>,
+    link: Arc<TcpLink>,
+    transport: Weak<TcpTransport>,
+}
+
+const SCRATCH: usize = 64 * 1024;
+
+impl Reader {
+    async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
+        let mut rd = BufReader::with_capacity(SCRATCH, rd);
+        let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
+        let natural = loop {
+            if let Err(reason) = self.one_message(&mut rd, &dyn_link, &mut closed).await {
+                break reason;
+            }
+        };
+        // Mark the link closed (a failure unless someone closed it first) and drop the writer.
+        self.link.fail(natural);
+        let how = closed.borrow().clone();
+        if let Some(t) = self.transport.upgrade() {
+            lock(&t.links).remove(&self.link.id);
+        }
+        if let Some(mut wr) = self.link.writer.lock().await.take() {
+            let _ = wr.shutdown().await;
+        }
+        if let Closed::Failed(reason) = how {
+            tracing::debug!(peer = %self.link.peer, %reason, "KV link closed");
+            self.inbox.on_link_closed(&dyn_link, reason);
+        }
+    }
+
+    async fn read_exact<R>(rd: &mut R, buf: &mut [u8], closed: &mut watch::Receiver<Closed>) -> Result<(), String>
+    where
+        R: tokio::io::AsyncRead + Unpin,
+    {
+        tokio::select! {
+            r = rd.read_exact(buf) => r.map(|_| ()).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof { "peer closed the connection".to_string() } else { e.to_string() }
+            }),
+            _ = closed.wait_for(|c| *c != Closed::Open) => Err("link closed".into()),
+        }
+    }
+
+    async fn one_message(
+        &self,
+        rd: &mut BufReader<OwnedReadHalf>,
+        link: &Arc<dyn Link>,
+        closed: &mut watch::Receiver<Closed>,
+    ) -> Result<(), String> {
+        let mut prefix = [0u8; PREFIX_LEN];
+        Self::read_exact(rd, &mut prefix, closed).await?;
+        let rest = Frame::remaining_len(&prefix).map_err(|e| e.to_string())?;
+        let mut header = vec![0u8; PREFIX_LEN + rest];
+        header[..PREFIX_LEN].copy_from_slice(&prefix);
+        Self::read_exact(rd, &mut header[PREFIX_LEN..], closed).await?;
+        let payload_len = match Frame::decode(&header) {
+            Ok(Frame::Chunk(h)) => h.byte_len,
+            Ok(_) => 0,
+            Err(e) => return Err(e.to_string()),
+        };
+        match self.inbox.on_message(link, &header, payload_len) {
+            Delivery::CloseLink(reason) => Err(reason),
+            Delivery::Discard => {
+                let mut scratch = vec![0u8; SCRATCH.min(payload_len as usize)];
+                let mut left = payload_len;
+                while left > 0 {
+                    let n = left.min(scratch.len() as u64) as usize;
+                    Self::read_exact(rd, &mut scratch[..n], closed).await?;
+                    left -= n as u64;
+                }
+                Ok(())
+            }
+            Delivery::Into { iovs, token } => {
+                let total: u64 = iovs.iter().map(|i| i.len as u64).sum();
+                let result = if total != payload_len {
+                    Err(format!("inbox gave {total} bytes of iovecs for a {payload_len}-byte payload"))
+                } else if iovs.iter().any(|i| i.kind != MemoryKind::Host) {
+                    Err("device memory is not supported by the tcp backend".to_string())
+                } else {
+                    let mut r = Ok(());
+                    for iov in &iovs {
+                        // SAFETY: the inbox handed out these host iovecs for this payload and keeps the
+                        // destination blocks claimed (exclusively) until on_payload below.
+                        let buf = unsafe { std::slice::from_raw_parts_mut(iov.addr as *mut u8, iov.len) };
+                        if let Err(e) = Self::read_exact(rd, buf, closed).await {
+                            r = Err(e);
+                            break;
+                        }
+                    }
+                    r
+                };
+                self.inbox.on_payload(link, token, result.clone());
+                result
+            }
+        }
+    }
+}

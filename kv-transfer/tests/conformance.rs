@@ -1,0 +1,60 @@
+//! The one conformance suite, run against every backend: TCP and in-process here, the example plugin
+//! (`examples/kv-uds`, loaded only through the C ABI) in `plugin_conformance.rs`.
+
+use tandem_kv_transfer::ConnectorSpec;
+use tandem_kv_transfer::conformance::Suite;
+
+macro_rules! conformance {
+    ($backend:ident, $spec:expr, [$($case:ident),* $(,)?]) => {
+        mod $backend {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let spec: ConnectorSpec = $spec.parse().unwrap();
+                    let suite = Suite::new(spec);
+                    if let Err(e) = suite.run_case(stringify!($case)).await {
+                        panic!("{} / {}: {e}", stringify!($backend), stringify!($case));
+                    }
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! all_cases {
+    ($backend:ident, $spec:expr) => {
+        conformance!($backend, $spec, [
+            round_trip_bit_exact,
+            layers_land_in_order,
+            concurrent_64,
+            zero_block_transfer,
+            sender_cancel_frees_both_sides,
+            receiver_cancel_frees_both_sides,
+            receiver_disappears,
+            sender_disappears,
+            corrupted_chunk_detected,
+            truncated_chunk_detected,
+            duplicated_chunk_detected,
+            reordered_chunk_detected,
+            foreign_chunk_detected,
+            handshake_mismatch_refused,
+            unknown_destination_fails_fast,
+            unknown_transfer_rejected,
+            receiver_timeout_frees_blocks,
+            large_transfer_256mib,
+        ]);
+    };
+}
+
+all_cases!(tcp, "tcp");
+all_cases!(inproc, "inproc");
+
+/// The macro above must list every case the suite has.
+#[test]
+fn every_case_is_listed() {
+    let src = include_str!("conformance.rs");
+    for case in tandem_kv_transfer::conformance::CASES {
+        assert!(src.contains(&format!("            {case},")), "case {case} is not run by this file");
+    }
+}
