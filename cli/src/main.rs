@@ -5,6 +5,7 @@
 
 mod bench;
 mod generate;
+mod kv;
 mod pull;
 
 use std::path::PathBuf;
@@ -30,6 +31,15 @@ enum Command {
     /// Benchmarks that print ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// KV-transfer tools.
+    #[command(subcommand)]
+    Kv(KvCommand),
+}
+
+#[derive(Subcommand)]
+enum KvCommand {
+    /// Run the KV-transfer conformance suite against a backend (e.g. your plugin).
+    Conformance(kv::ConformanceArgs),
 }
 
 #[derive(Subcommand)]
@@ -57,6 +67,8 @@ enum ModelCommand {
 enum BenchCommand {
     /// Prefill and decode throughput on the CPU, side by side with HF transformers.
     Cpu(bench::CpuBenchArgs),
+    /// KV-transfer throughput and latency next to a raw loopback socket moving the same bytes.
+    Kv(kv::KvBenchArgs),
 }
 
 /// Where pulled models live.
@@ -98,5 +110,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Generate(args) => generate::run(args),
         Command::Bench(BenchCommand::Cpu(args)) => bench::run_cpu(args),
+        Command::Bench(BenchCommand::Kv(args)) => kv::run_bench(args),
+        Command::Kv(KvCommand::Conformance(args)) => kv::run_conformance(args),
     }
 }

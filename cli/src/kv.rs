@@ -1,0 +1,293 @@
+//! `tandem bench kv` and `tandem kv conformance`: the KV-transfer connector measured against a raw
+//! loopback socket moving the same bytes in the same run, and the conformance suite run against any
+//! backend (a plugin author's first check).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use tandem_kv_transfer::conformance::Suite;
+use tandem_kv_transfer::{Connector, ConnectorConfig, ConnectorSpec, DType, Fabric, Geometry, GeometrySpec, KvMemory, Layout};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// `tandem bench kv`.
+#[derive(Args, Debug)]
+pub(crate) struct KvBenchArgs {
+    /// Backend: tcp, inproc, or plugin:/path/lib.so[?config].
+    #[arg(long, default_value = "tcp")]
+    backend: String,
+    /// Transfer sizes in MiB (each a multiple of 1 MiB).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
+    sizes: Vec<u32>,
+    /// Timed repetitions per size, after one warm-up; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    iters: u32,
+    /// Small transfers timed for the latency percentiles.
+    #[arg(long, default_value_t = 500)]
+    latency_iters: u32,
+    /// Size of one small transfer in KiB.
+    #[arg(long, default_value_t = 64)]
+    small_kib: u32,
+}
+
+/// `tandem kv conformance`.
+#[derive(Args, Debug)]
+pub(crate) struct ConformanceArgs {
+    /// Backend: tcp, inproc, or plugin:/path/lib.so[?config].
+    spec: String,
+    /// Run only this case (see --list).
+    #[arg(long)]
+    case: Option<String>,
+    /// List the cases and exit.
+    #[arg(long)]
+    list: bool,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")
+}
+
+pub(crate) fn run_conformance(args: ConformanceArgs) -> anyhow::Result<()> {
+    if args.list {
+        for case in tandem_kv_transfer::conformance::CASES {
+            println!("{case}");
+        }
+        return Ok(());
+    }
+    let spec: ConnectorSpec = args.spec.parse()?;
+    let cases: Vec<&str> = match &args.case {
+        Some(c) if tandem_kv_transfer::conformance::CASES.contains(&c.as_str()) => vec![c.as_str()],
+        Some(c) => bail!("no conformance case {c:?} (see --list)"),
+        None => tandem_kv_transfer::conformance::CASES.to_vec(),
+    };
+    let rt = runtime()?;
+    let suite = Suite::new(spec);
+    let mut failed = 0;
+    for case in &cases {
+        let t = Instant::now();
+        let r = rt.block_on(suite.run_case(case));
+        match r {
+            Ok(()) => println!("ok    {case} ({:.0} ms)", t.elapsed().as_secs_f64() * 1e3),
+            Err(e) => {
+                failed += 1;
+                println!("FAIL  {case}: {e}");
+            }
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} of {} conformance cases failed", cases.len());
+    }
+    println!("all {} conformance cases passed for {}", cases.len(), args.spec);
+    Ok(())
+}
+
+/// 32 layers of 32 KiB blocks (8 KV heads x 128 dims x 8 tokens, bf16): one block is 1 MiB over all layers.
+fn big_geometry() -> Geometry {
+    Geometry::new(GeometrySpec {
+        model_id: "bench".into(),
+        dtype: DType::BF16,
+        block_size: 8,
+        num_layers: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        layout: Layout::KvHeadTokenDim,
+    })
+    .expect("valid geometry")
+}
+
+/// 2 layers, one block of `kib` KiB in total.
+fn small_geometry(kib: u32) -> anyhow::Result<Geometry> {
+    Ok(Geometry::new(GeometrySpec {
+        model_id: "bench-small".into(),
+        dtype: DType::BF16,
+        block_size: kib,
+        num_layers: 2,
+        num_kv_heads: 1,
+        head_dim: 128,
+        layout: Layout::KvHeadTokenDim,
+    })?)
+}
+
+fn filled(geometry: &Geometry, blocks: u32) -> anyhow::Result<Arc<KvMemory>> {
+    let memory = KvMemory::host(geometry.clone(), blocks)?;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut buf = vec![0u8; geometry.block_bytes()];
+    for layer in 0..geometry.num_layers() {
+        for b in 0..blocks {
+            for chunk in buf.chunks_mut(8) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+            }
+            memory.write_block(layer, b, &buf)?;
+        }
+    }
+    Ok(memory)
+}
+
+/// One transfer of `blocks` blocks; returns the time from `send` to the receiver's verified completion.
+async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32) -> anyhow::Result<Duration> {
+    let ids: Vec<u32> = (0..blocks).collect();
+    let mut recv = rx.expect(ids.clone(), None)?;
+    let t = Instant::now();
+    let mut send = tx.send(recv.descriptor(), ids, None)?;
+    send.push_all();
+    recv.wait().await?;
+    let elapsed = t.elapsed();
+    send.wait().await?;
+    Ok(elapsed)
+}
+
+/// A plain loopback TCP connection moving the same bytes, acknowledged with one byte like a transfer is.
+struct RawPair {
+    tx: TcpStream,
+    rx: TcpStream,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl RawPair {
+    async fn new(max_bytes: usize) -> anyhow::Result<RawPair> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (tx, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (tx, (rx, _)) = (tx?, accepted?);
+        tx.set_nodelay(true)?;
+        rx.set_nodelay(true)?;
+        let src: Vec<u8> = (0..max_bytes).map(|i| (i as u8).wrapping_mul(31)).collect();
+        Ok(RawPair { tx, rx, src, dst: vec![0u8; max_bytes] })
+    }
+
+    async fn once(&mut self, bytes: usize) -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        let (tx, rx, src, dst) = (&mut self.tx, &mut self.rx, &self.src[..bytes], &mut self.dst[..bytes]);
+        let send = async {
+            tx.write_all(src).await?;
+            let mut ack = [0u8; 1];
+            tx.read_exact(&mut ack).await?;
+            anyhow::Ok(())
+        };
+        let recv = async {
+            rx.read_exact(dst).await?;
+            rx.write_all(&[1]).await?;
+            anyhow::Ok(())
+        };
+        let (a, b) = tokio::join!(send, recv);
+        a?;
+        b?;
+        Ok(t.elapsed())
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn percentile(v: &[Duration], p: f64) -> Duration {
+    let mut v = v.to_vec();
+    v.sort();
+    v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
+}
+
+fn gbs(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn memcpy_time(bytes: usize) -> Duration {
+    let src = vec![7u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src); // fault the pages in
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        runs.push(t.elapsed());
+    }
+    std::hint::black_box(&dst);
+    median(runs)
+}
+
+pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
+    let spec: ConnectorSpec = args.backend.parse()?;
+    if args.sizes.is_empty() || args.sizes.contains(&0) || args.iters == 0 || args.latency_iters == 0 || args.small_kib == 0 {
+        bail!("sizes, iterations and the small size must all be > 0");
+    }
+    let rt = runtime()?;
+    rt.block_on(bench(spec, args))
+}
+
+async fn bench(spec: ConnectorSpec, args: KvBenchArgs) -> anyhow::Result<()> {
+    let fabric = Fabric::new();
+    let config = ConnectorConfig { transfer_timeout: Duration::from_secs(120), ..ConnectorConfig::default() };
+    let max_mib = *args.sizes.iter().max().expect("non-empty");
+    let g = big_geometry();
+    let (src, dst) = (filled(&g, max_mib)?, KvMemory::host(g.clone(), max_mib)?);
+    let tx = Connector::from_spec(&spec, src, config.clone(), &fabric).await?;
+    let rx = Connector::from_spec(&spec, dst, config.clone(), &fabric).await?;
+    let mut raw = RawPair::new((max_mib as usize) << 20).await?;
+    println!(
+        "tandem bench kv: backend {} ({}), {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
+        tx.backend(),
+        rx.endpoint(),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        config.max_chunk_bytes >> 10,
+        args.iters
+    );
+    println!("{:>8}  {:>12}  {:>16}  {:>8}  {:>12}", "size", "tandem GB/s", "raw socket GB/s", "ratio", "memcpy GB/s");
+    for &mib in &args.sizes {
+        let bytes = (mib as usize) << 20;
+        kv_once(&tx, &rx, mib).await?;
+        raw.once(bytes).await?;
+        let (mut kv, mut sock) = (Vec::new(), Vec::new());
+        // Interleave so both see the same machine state.
+        for _ in 0..args.iters {
+            kv.push(kv_once(&tx, &rx, mib).await?);
+            sock.push(raw.once(bytes).await?);
+        }
+        let (k, s) = (gbs(bytes, median(kv)), gbs(bytes, median(sock)));
+        println!(
+            "{:>5} MiB  {:>12.2}  {:>16.2}  {:>7.0}%  {:>12.2}",
+            mib,
+            k,
+            s,
+            100.0 * k / s,
+            gbs(bytes, memcpy_time(bytes))
+        );
+    }
+    // Latency of small transfers.
+    let sg = small_geometry(args.small_kib)?;
+    let stx = Connector::from_spec(&spec, filled(&sg, 1)?, config.clone(), &fabric).await?;
+    let srx = Connector::from_spec(&spec, KvMemory::host(sg.clone(), 1)?, config, &fabric).await?;
+    let small = (args.small_kib as usize) << 10;
+    for _ in 0..20 {
+        kv_once(&stx, &srx, 1).await?;
+        raw.once(small).await?;
+    }
+    let (mut kv, mut sock) = (Vec::new(), Vec::new());
+    for _ in 0..args.latency_iters {
+        kv.push(kv_once(&stx, &srx, 1).await?);
+        sock.push(raw.once(small).await?);
+    }
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "latency of {} KiB transfers ({} runs): tandem p50 {:.0} us, p99 {:.0} us; raw socket p50 {:.0} us, p99 {:.0} us; p50 ratio {:.2}x",
+        args.small_kib,
+        args.latency_iters,
+        us(percentile(&kv, 0.5)),
+        us(percentile(&kv, 0.99)),
+        us(percentile(&sock, 0.5)),
+        us(percentile(&sock, 0.99)),
+        us(percentile(&kv, 0.5)) / us(percentile(&sock, 0.5)),
+    );
+    let m = tx.metrics();
+    println!(
+        "self-check: {} transfers sent, last at {:.2} GB/s as the sender measured it",
+        m.sent_ok,
+        m.last_send_bytes_per_sec as f64 / 1e9
+    );
+    Ok(())
+}
