@@ -162,19 +162,15 @@ mod tests {
             ..TandemKvIov::EMPTY
         }];
         // SAFETY: rejected before any memory is read.
-        assert_eq!(
-            unsafe { gather(&null) }.unwrap_err().status(),
-            abi::TANDEM_KV_ERR_INVALID
-        );
+        let failure = unsafe { gather(&null) }.unwrap_err();
+        assert_eq!(failure.status(), abi::TANDEM_KV_ERR_INVALID);
         let huge = [TandemKvIov {
             len: u64::MAX,
             ..iovs[0]
         }];
         // SAFETY: rejected before any memory is read.
-        assert_eq!(
-            unsafe { gather(&huge) }.unwrap_err().status(),
-            abi::TANDEM_KV_ERR_INVALID
-        );
+        let failure = unsafe { gather(&huge) }.unwrap_err();
+        assert_eq!(failure.status(), abi::TANDEM_KV_ERR_INVALID);
     }
 
     #[test]
