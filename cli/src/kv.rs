@@ -30,6 +30,9 @@ pub(crate) struct KvBenchArgs {
     /// Size of one small transfer in KiB.
     #[arg(long, default_value_t = 64)]
     small_kib: u32,
+    /// Largest chunk the connector sends, in KiB.
+    #[arg(long, default_value_t = 1024)]
+    chunk_kib: usize,
 }
 
 /// `tandem kv conformance`.
@@ -213,7 +216,7 @@ fn memcpy_time(bytes: usize) -> Duration {
 
 pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
     let spec: ConnectorSpec = args.backend.parse()?;
-    if args.sizes.is_empty() || args.sizes.contains(&0) || args.iters == 0 || args.latency_iters == 0 || args.small_kib == 0 {
+    if args.sizes.is_empty() || args.sizes.contains(&0) || args.iters == 0 || args.latency_iters == 0 || args.small_kib == 0 || args.chunk_kib == 0 {
         bail!("sizes, iterations and the small size must all be > 0");
     }
     let rt = runtime()?;
@@ -222,7 +225,11 @@ pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
 
 async fn bench(spec: ConnectorSpec, args: KvBenchArgs) -> anyhow::Result<()> {
     let fabric = Fabric::new();
-    let config = ConnectorConfig { transfer_timeout: Duration::from_secs(120), ..ConnectorConfig::default() };
+    let config = ConnectorConfig {
+        transfer_timeout: Duration::from_secs(120),
+        max_chunk_bytes: args.chunk_kib << 10,
+        ..ConnectorConfig::default()
+    };
     let max_mib = *args.sizes.iter().max().expect("non-empty");
     let g = big_geometry();
     let (src, dst) = (filled(&g, max_mib)?, KvMemory::host(g.clone(), max_mib)?);

@@ -19,10 +19,14 @@
  *  - Existing fields never move or change meaning within a major version.
  *
  * Threading rules
- *  - Every plugin function may be called from any thread, concurrently, including `send` on one link.
+ *  - Every plugin function except `destroy` may be called from any thread, concurrently, including `send`
+ *    on one link. `destroy` is called once, when no other call into the instance is running.
  *  - `send` may block (that is the backpressure): tandem calls it from threads that may block.
- *  - The plugin calls host callbacks from its own threads. Host callbacks never block for long and are
- *    thread-safe. A plugin must not call host callbacks after `destroy` returned.
+ *  - The plugin calls host callbacks from its own threads. Host callbacks are thread-safe, never block for
+ *    long and never call back into the plugin synchronously (tandem calls `send`/`close_link` from its own
+ *    threads). A plugin must not call host callbacks after `destroy` returned; deliveries still in flight
+ *    when `destroy` begins are abandoned without `on_payload` (tandem reclaims that memory itself).
+ *  - A plugin must not raise SIGPIPE (send with MSG_NOSIGNAL or equivalent); tandem also ignores it.
  *
  * Ordering and delivery
  *  - A link is a reliable, ordered, bidirectional message stream between two instances. Messages are
@@ -110,7 +114,10 @@ typedef struct tandem_kv_host {
      */
     void (*on_payload)(void *ctx, tandem_kv_link link, uint64_t token, int status);
 
-    /* The link is gone; `reason` (may be NULL) is valid only during the call. Called at most once per link. */
+    /*
+     * The link is gone; `reason` (may be NULL) is valid only during the call. Called at most once per link;
+     * tandem ignores it for link ids it has not seen yet.
+     */
     void (*on_link_closed)(void *ctx, tandem_kv_link link, int status, const char *reason);
 } tandem_kv_host;
 
@@ -144,7 +151,10 @@ typedef struct tandem_kv_plugin {
     int (*send)(tandem_kv_instance *inst, tandem_kv_link link, const uint8_t *header, size_t header_len,
                 const tandem_kv_iov *iovs, size_t n_iovs);
 
-    /* Closes a link (either side). Idempotent. on_link_closed is not called for a link the host closed. */
+    /*
+     * Closes a link (either side). Idempotent; unknown ids are ignored. on_link_closed is not called for a
+     * link the host closed, but a delivery already under way still ends with its on_payload (status < 0).
+     */
     void (*close_link)(tandem_kv_instance *inst, tandem_kv_link link);
 
     /* A description of the last error on the calling thread; static or thread-local storage, never NULL. */
