@@ -66,6 +66,12 @@ pub(crate) fn run_conformance(args: ConformanceArgs) -> anyhow::Result<()> {
         None => tandem_kv_transfer::conformance::CASES.to_vec(),
     };
     let rt = runtime()?;
+    // A backend that cannot even start (missing library, bad config) is one clear error, not N failures.
+    rt.block_on(async {
+        let probe = KvMemory::host(small_geometry(1)?, 1)?;
+        Connector::from_spec(&spec, probe, ConnectorConfig::default(), &Fabric::new()).await?;
+        anyhow::Ok(())
+    })?;
     let suite = Suite::new(spec);
     let mut failed = 0;
     for case in &cases {

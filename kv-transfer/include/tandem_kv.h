@@ -26,7 +26,7 @@
  *    long and never call back into the plugin synchronously (tandem calls `send`/`close_link` from its own
  *    threads). A plugin must not call host callbacks after `destroy` returned; deliveries still in flight
  *    when `destroy` begins are abandoned without `on_payload` (tandem reclaims that memory itself).
- *  - A plugin must not raise SIGPIPE (send with MSG_NOSIGNAL or equivalent); tandem also ignores it.
+ *  - tandem ignores SIGPIPE; a plugin meant for other hosts too should avoid raising it (MSG_NOSIGNAL).
  *
  * Ordering and delivery
  *  - A link is a reliable, ordered, bidirectional message stream between two instances. Messages are

@@ -1,0 +1,58 @@
+//! The KV-transfer commands through the real binary: the conformance suite and the benchmark run end to
+//! end on loopback, and bad connector specs or arguments end in a clear error and a non-zero exit.
+
+use std::time::Duration;
+
+use tandem_tests::run_tandem;
+
+fn stdout_of(args: &[&str]) -> String {
+    let out = run_tandem(args, Duration::from_secs(300));
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "tandem {args:?} failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = run_tandem(args, Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "tandem {args:?} should fail");
+    assert!(!stderr.contains("panicked"), "tandem {args:?} panicked: {stderr}");
+    assert!(stderr.contains("error"), "tandem {args:?}: no error message: {stderr}");
+    stderr
+}
+
+#[test]
+fn conformance_command_runs_cases_against_a_backend() {
+    let out = stdout_of(&["kv", "conformance", "tcp", "--case", "corrupted_chunk_detected"]);
+    assert!(out.contains("ok    corrupted_chunk_detected"), "{out}");
+    let out = stdout_of(&["kv", "conformance", "inproc", "--case", "round_trip_bit_exact"]);
+    assert!(out.contains("all 1 conformance cases passed"), "{out}");
+    let list = stdout_of(&["kv", "conformance", "tcp", "--list"]);
+    assert!(list.lines().count() >= 18 && list.contains("large_transfer_256mib"), "{list}");
+}
+
+#[test]
+fn bench_kv_prints_ratios_against_a_raw_socket() {
+    let out = stdout_of(&["bench", "kv", "--backend", "inproc", "--sizes", "1", "--iters", "2", "--latency-iters", "10"]);
+    assert!(out.contains("raw socket GB/s"), "{out}");
+    let row = out.lines().find(|l| l.trim_start().starts_with("1 MiB")).expect("a 1 MiB row");
+    let ratio: f64 = row.split_whitespace().nth(4).unwrap().trim_end_matches('%').parse().unwrap();
+    assert!(ratio > 0.0, "{row}");
+    assert!(out.contains("latency of 64 KiB transfers (10 runs)"), "{out}");
+}
+
+#[test]
+fn bad_specs_and_arguments_are_refused() {
+    let err = fails(&["kv", "conformance", "carrier-pigeon"]);
+    assert!(err.contains("unknown backend"), "{err}");
+    let err = fails(&["kv", "conformance", "tcp://not-an-address"]);
+    assert!(err.contains("not a HOST:PORT"), "{err}");
+    let err = fails(&["kv", "conformance", "plugin:/nonexistent/libx.so", "--case", "zero_block_transfer"]);
+    assert!(err.contains("libx.so"), "{err}");
+    let err = fails(&["kv", "conformance", "tcp", "--case", "no_such_case"]);
+    assert!(err.contains("no conformance case"), "{err}");
+    let err = fails(&["bench", "kv", "--backend", "tcp", "--sizes", "0"]);
+    assert!(err.contains("must all be > 0"), "{err}");
+    let err = fails(&["bench", "kv", "--backend", "plugin:"]);
+    assert!(err.contains("empty plugin path"), "{err}");
+}
