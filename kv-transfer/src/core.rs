@@ -178,13 +178,6 @@ impl Core {
         let claim = self.memory.claim(&blocks, true)?;
         let id = self.id_prefix | (self.next_id.fetch_add(1, Ordering::Relaxed) & 0xff_ffff);
         let (progress, progress_rx) = watch::channel(Progress::pending());
-        let me = self.me.clone();
-        let timer = self.rt.spawn(async move {
-            tokio::time::sleep(timeout).await;
-            if let Some(core) = me.upgrade() {
-                core.rx_timeout(id, timeout);
-            }
-        });
         let descriptor = TransferDescriptor {
             id,
             endpoint: self.endpoint.get().cloned().unwrap_or_default(),
@@ -204,9 +197,22 @@ impl Core {
             created: Instant::now(),
             started: None,
             bytes: 0,
-            timer: Some(timer.abort_handle()),
+            timer: None,
         };
-        lock(&self.rx).transfers.insert(id, transfer);
+        // Registered before the timer starts, so even a zero timeout finds the transfer to expire.
+        let mut rx = lock(&self.rx);
+        rx.transfers.insert(id, transfer);
+        let me = self.me.clone();
+        let timer = self.rt.spawn(async move {
+            tokio::time::sleep(timeout).await;
+            if let Some(core) = me.upgrade() {
+                core.rx_timeout(id, timeout);
+            }
+        });
+        if let Some(t) = rx.transfers.get_mut(&id) {
+            t.timer = Some(timer.abort_handle());
+        }
+        drop(rx);
         Ok(RecvHandle { descriptor, progress: progress_rx, core: self.me.clone() })
     }
 
