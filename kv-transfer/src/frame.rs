@@ -341,6 +341,11 @@ impl Reader<'_> {
     }
     fn string(&mut self) -> Result<String, FrameError> {
         let len = self.u16()? as usize;
+        // The encoder never writes longer strings: refusing them keeps decoding canonical
+        // (decode(encode(f)) == f and encode(decode(h)) == h).
+        if len > MAX_REASON {
+            return err(format!("string of {len} bytes exceeds {MAX_REASON}"));
+        }
         if len > self.buf.len() {
             return err("string runs past the body");
         }
@@ -404,6 +409,23 @@ mod tests {
         let f = Frame::HelloReject { reason: "é".repeat(2000) };
         let Frame::HelloReject { reason } = Frame::decode(&f.encode()).unwrap() else { panic!() };
         assert!(reason.len() <= MAX_REASON && reason.chars().all(|c| c == 'é'));
+    }
+
+    /// Found by the fuzzer: a reason longer than the encoder writes must be refused, not truncated on
+    /// re-encoding.
+    #[test]
+    fn over_long_strings_are_refused() {
+        let mut out = Vec::new();
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.push(3);
+        out.extend_from_slice(&[0, 0, 0]);
+        let reason = vec![b'a'; MAX_REASON + 1];
+        out.extend_from_slice(&((reason.len() + 2) as u32).to_le_bytes());
+        out.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+        out.extend_from_slice(&reason);
+        let sum = xxh3_64(&out) as u32;
+        out.extend_from_slice(&sum.to_le_bytes());
+        assert!(Frame::decode(&out).is_err());
     }
 
     proptest! {
