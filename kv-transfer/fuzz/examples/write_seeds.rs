@@ -1,13 +1,16 @@
 //! Writes the seed corpus of the `frame_decoder` fuzz target: one valid header per frame kind made by
-//! `Frame::encode`, two more carrying the longest reason the encoder emits, and one stream of several
-//! frames with a chunk payload between them.
+//! `Frame::encode`, two more carrying the longest reason the encoder emits, the same frames again as
+//! `kind ++ body` for the target's sealed read, and one stream of several frames with a chunk payload
+//! between them.
 //!
 //! Run once from `kv-transfer/fuzz`: `cargo run --example write_seeds`. The output is deterministic,
 //! so re-running it rewrites the same files (the committed seeds are its output).
 
 use std::path::Path;
 
-use tandem_kv_transfer::frame::{AbortCode, ChunkHeader, Frame, PROTOCOL_VERSION, blocks_hash, payload_checksum};
+use tandem_kv_transfer::frame::{
+    AbortCode, ChunkHeader, Frame, PREFIX_LEN, PROTOCOL_VERSION, blocks_hash, payload_checksum,
+};
 use tandem_kv_transfer::{DType, Geometry, GeometrySpec, Layout};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -47,7 +50,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("abort-long", Frame::Abort { id: 8, code: AbortCode::Internal, reason: "é".repeat(2500) }),
     ];
     for (name, frame) in &singles {
-        std::fs::write(dir.join(format!("seed-{name}")), frame.encode())?;
+        let header = frame.encode();
+        // The target's "sealed" read takes `kind ++ body` and adds prefix and trailer itself.
+        let mut sealed = vec![header[4]];
+        sealed.extend_from_slice(&header[PREFIX_LEN..header.len() - 4]);
+        std::fs::write(dir.join(format!("seed-{name}")), header)?;
+        std::fs::write(dir.join(format!("seed-sealed-{name}")), sealed)?;
     }
 
     // What a receiver sees on one link: start, a chunk header and its payload, done.
@@ -57,6 +65,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     stream.extend_from_slice(&Frame::Done { id: 7 }.encode());
     std::fs::write(dir.join("seed-stream"), stream)?;
 
-    println!("wrote {} seeds to {}", singles.len() + 1, dir.display());
+    println!("wrote {} seeds to {}", 2 * singles.len() + 1, dir.display());
     Ok(())
 }
