@@ -39,6 +39,14 @@ pub(crate) struct EngineArgs {
 impl EngineArgs {
     /// Resolves the model (pulling it if needed), sets up the thread pool and loads the engine.
     pub(crate) fn load(&self, prefix_caching: bool) -> anyhow::Result<(PathBuf, Engine)> {
+        let (dir, cfg) = self.prepare(prefix_caching)?;
+        let engine = Engine::load(&dir, cfg).with_context(|| format!("loading {}", dir.display()))?;
+        Ok((dir, engine))
+    }
+
+    /// Resolves the model (pulling it if needed), sets up the thread pool and returns the model
+    /// directory and the engine configuration, without loading.
+    pub(crate) fn prepare(&self, prefix_caching: bool) -> anyhow::Result<(PathBuf, EngineConfig)> {
         if let Some(n) = self.threads {
             anyhow::ensure!(n > 0, "--threads must be at least 1");
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
@@ -51,8 +59,16 @@ impl EngineArgs {
             enable_prefix_caching: prefix_caching,
             ..EngineConfig::default()
         };
-        let engine = Engine::load(&dir, cfg).with_context(|| format!("loading {}", dir.display()))?;
-        Ok((dir, engine))
+        Ok((dir, cfg))
+    }
+
+    /// The name clients use for the model: the known name given, or the directory's name.
+    pub(crate) fn model_name(&self, dir: &std::path::Path) -> String {
+        if std::path::Path::new(&self.model).is_dir() {
+            dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        } else {
+            self.model.clone()
+        }
     }
 }
 

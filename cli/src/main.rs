@@ -4,6 +4,7 @@
 //! errors, 2 for bad command lines, from clap); nothing here panics on user input.
 
 mod bench;
+mod cluster;
 mod generate;
 mod kv;
 mod pull;
@@ -34,6 +35,16 @@ enum Command {
     /// KV-transfer tools.
     #[command(subcommand)]
     Kv(KvCommand),
+    /// Serve the client API and route requests to prefill and decode nodes (membership in etcd).
+    Router(cluster::RouterArgs),
+    /// Run a prefill node: compute prompts' KV and push it into decode nodes.
+    Prefill(cluster::PrefillArgs),
+    /// Run a decode node: receive prompts' KV, decode and stream tokens.
+    Decode(cluster::DecodeArgs),
+    /// Run router + one prefill + one decode node in this process (no etcd needed).
+    Up(cluster::UpArgs),
+    /// Send a prompt to a router and stream the completion to stdout.
+    Client(cluster::ClientArgs),
 }
 
 #[derive(Subcommand)]
@@ -112,5 +123,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Cpu(args)) => bench::run_cpu(args),
         Command::Bench(BenchCommand::Kv(args)) => kv::run_bench(args),
         Command::Kv(KvCommand::Conformance(args)) => kv::run_conformance(args),
+        Command::Router(args) => cluster::run_router(args),
+        Command::Prefill(args) => cluster::run_prefill(args),
+        Command::Decode(args) => cluster::run_decode(args),
+        Command::Up(args) => cluster::run_up(args),
+        Command::Client(args) => cluster::run_client(args),
     }
 }

@@ -1,3 +1,252 @@
-//! The decode node: runs `tandem-engine` in the decode role and streams tokens back.
+//! The decode node: for each request it allocates the prompt's blocks after its own prefix-cache hits,
+//! registers them as a KV transfer's destination, asks a prefill node to compute and push the rest, and
+//! once every layer landed and verified, decodes and streams tokens. Short uncached prompts (below a
+//! threshold), requests without a prefill node, and requests whose prefill node fails are prefilled here.
 //!
-//! Empty on purpose: the cluster issue builds it. Nothing depends on this crate yet.
+//! Invariants:
+//! - Every request runs in its own task that owns its engine request and its transfer; however it ends
+//!   (finished, client gone, prefill failure) the transfer is cancelled and awaited before the engine
+//!   frees the blocks, so no backend writes into reused blocks.
+//! - A client that goes away aborts the request within one engine step.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tandem_engine::sched::{RequestId, Role};
+use tandem_engine::sampling::SamplingParams;
+use tandem_kv_transfer::{Fabric, RecvHandle};
+use tandem_node::{Event, NodeCore, NodeError, NodeSetup, convert};
+use tandem_proto::node::v1 as node;
+use tandem_proto::node::v1::decode_server::{Decode, DecodeServer};
+use tandem_proto::node::v1::prefill_client::PrefillClient;
+use tandem_proto::v1 as api;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+/// Decode-node settings beyond the engine's.
+#[derive(Debug, Clone)]
+pub struct DecodeOptions {
+    /// Prompts whose uncached part is shorter than this many tokens are prefilled here.
+    pub local_prefill_below: usize,
+    /// Deadline for a remote prefill including its KV transfer.
+    pub remote_prefill_timeout: Duration,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions { local_prefill_below: 32, remote_prefill_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// A running decode node.
+#[derive(Debug, Clone)]
+pub struct DecodeNode {
+    core: Arc<NodeCore>,
+    opts: DecodeOptions,
+    prefill_clients: Arc<Mutex<HashMap<String, PrefillClient<Channel>>>>,
+}
+
+type Tx = mpsc::Sender<Result<api::GenerateResponse, Status>>;
+
+/// Where a request stands, owned by its task so cleanup can run whatever happened.
+#[derive(Default)]
+struct State {
+    engine_id: Option<RequestId>,
+    recv: Option<RecvHandle>,
+}
+
+impl DecodeNode {
+    /// Loads the model and starts the engine and the KV connector.
+    pub async fn start(setup: NodeSetup, opts: DecodeOptions, fabric: &Fabric) -> Result<DecodeNode, NodeError> {
+        let core = Arc::new(NodeCore::start(setup, Role::Decode, fabric).await?);
+        Ok(DecodeNode { core, opts, prefill_clients: Arc::default() })
+    }
+
+    /// The shared node parts.
+    pub fn core(&self) -> &Arc<NodeCore> {
+        &self.core
+    }
+
+    /// The gRPC service.
+    pub fn service(&self) -> DecodeServer<DecodeNode> {
+        DecodeServer::new(self.clone())
+    }
+
+    fn prefill_client(&self, addr: &str) -> Result<PrefillClient<Channel>, NodeError> {
+        let mut clients = self.prefill_clients.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = clients.get(addr) {
+            return Ok(c.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| NodeError::InvalidArgument(format!("prefill address {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2));
+        let client = PrefillClient::new(endpoint.connect_lazy());
+        clients.insert(addr.to_string(), client.clone());
+        Ok(client)
+    }
+
+    /// Runs one request to its end, streaming into `tx`; `state` records what must be cleaned up.
+    async fn drive(&self, req: &node::DecodeRequest, params: SamplingParams, state: &mut State, tx: &Tx) -> Result<(), NodeError> {
+        let t0 = Instant::now();
+        let prompt = req.prompt.clone();
+        let cached = self.core.engine.cached_prefix_len(prompt.clone()).await?;
+        let uncached = prompt.len() - cached.min(prompt.len());
+        let remote = !req.prefill_addr.is_empty() && uncached >= self.opts.local_prefill_below;
+        let mut first: Option<(api::GenerateResponse, Option<u32>)> = None;
+        let mut timings = format!("cached={cached}");
+        let events = if remote {
+            match self.remote_prefill(req, params.clone(), state).await {
+                Ok((events, note)) => {
+                    timings.push_str(&note);
+                    Some(events)
+                }
+                Err(e) => {
+                    tracing::warn!(request_id = %req.request_id, error = %e, "remote prefill failed; prefilling locally");
+                    self.cleanup(state).await;
+                    timings.push_str(" remote_prefill=failed");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut events = match events {
+            Some(e) => e,
+            None => {
+                let (id, events) = self.core.engine.add(prompt.clone(), params, None).await?;
+                state.engine_id = Some(id);
+                timings.push_str(" prefill=local");
+                events
+            }
+        };
+        let _ = &mut first;
+        let mut completion_tokens = 0u32;
+        let mut first_token_at = None;
+        while let Some(event) = events.recv().await {
+            match event {
+                Event::Output(out) => {
+                    completion_tokens += out.token_ids.len() as u32;
+                    first_token_at.get_or_insert_with(Instant::now);
+                    let mut msg = convert::output_to_proto(&req.request_id, &out);
+                    let done = out.finish.is_some();
+                    if done {
+                        msg.usage = Some(api::Usage { prompt_tokens: prompt.len() as u32, completion_tokens, cached_tokens: cached as u32 });
+                    }
+                    if tx.send(Ok(msg)).await.is_err() {
+                        return Err(NodeError::Internal("client went away".into()));
+                    }
+                    if done {
+                        state.engine_id = None; // finished: the engine already freed it
+                        tracing::info!(
+                            request_id = %req.request_id,
+                            prompt_tokens = prompt.len(),
+                            completion_tokens,
+                            ttft_ms = first_token_at.map(|t| (t - t0).as_secs_f64() * 1e3).unwrap_or(0.0),
+                            total_ms = t0.elapsed().as_secs_f64() * 1e3,
+                            %timings,
+                            "decode done"
+                        );
+                        return Ok(());
+                    }
+                }
+                Event::Failed(why) => {
+                    state.engine_id = None;
+                    return Err(NodeError::Internal(why));
+                }
+                Event::PrefillDone { .. } => return Err(NodeError::Internal("a decode node never holds prefills".into())),
+            }
+        }
+        state.engine_id = None;
+        Err(NodeError::Internal("the engine dropped the request".into()))
+    }
+
+    /// Allocates, registers the transfer, has the prefill node fill it, and starts decoding.
+    async fn remote_prefill(
+        &self,
+        req: &node::DecodeRequest,
+        params: SamplingParams,
+        state: &mut State,
+    ) -> Result<(mpsc::UnboundedReceiver<Event>, String), NodeError> {
+        let t0 = Instant::now();
+        let (id, alloc, events) = self.core.engine.add_remote(req.prompt.clone(), params.clone()).await?;
+        state.engine_id = Some(id);
+        let skip = alloc.num_cached_tokens / self.core.block_size;
+        let dst: Vec<u32> = alloc.block_table[skip..].iter().map(|b| b.0).collect();
+        let recv = self.core.connector.expect(dst, Some(self.opts.remote_prefill_timeout))?;
+        let descriptor = convert::descriptor_to_proto(recv.descriptor());
+        state.recv = Some(recv);
+        let mut client = self.prefill_client(&req.prefill_addr)?;
+        let call = node::PrefillRequest {
+            request_id: req.request_id.clone(),
+            prompt: req.prompt.clone(),
+            sampling: Some(convert::sampling_to_proto(&params)),
+            kv: Some(descriptor),
+            skip_blocks: skip as u32,
+        };
+        let mut call = Request::new(call);
+        call.set_timeout(self.opts.remote_prefill_timeout);
+        let recv = state.recv.as_mut().expect("set above");
+        let (answer, landed) = tokio::join!(client.prefill(call), recv.wait());
+        let answer = answer?.into_inner();
+        let stats = landed?;
+        state.recv = None;
+        self.core.engine.kv_ready(id, answer.first_token).await?;
+        let note = format!(
+            " skipped_blocks={skip} prefill_ms={:.1} transfer_bytes={} transfer_ms={:.1} handoff_ms={:.1}",
+            answer.prefill_micros as f64 / 1e3,
+            stats.bytes,
+            stats.elapsed.as_secs_f64() * 1e3,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        Ok((events, note))
+    }
+
+    /// Cancels the transfer (waiting until its blocks are released), then aborts the engine request.
+    async fn cleanup(&self, state: &mut State) {
+        if let Some(recv) = state.recv.take() {
+            recv.cancel().await;
+        }
+        if let Some(id) = state.engine_id.take() {
+            self.core.engine.abort(id);
+        }
+    }
+
+    async fn serve(self, req: node::DecodeRequest, params: SamplingParams, tx: Tx) {
+        let mut state = State::default();
+        let result = tokio::select! {
+            r = self.drive(&req, params, &mut state, &tx) => r,
+            _ = tx.closed() => Err(NodeError::Internal("client went away".into())),
+        };
+        self.cleanup(&mut state).await;
+        if let Err(e) = result {
+            let _ = tx.send(Err(Status::from(e))).await;
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Decode for DecodeNode {
+    type GenerateStream = ReceiverStream<Result<api::GenerateResponse, Status>>;
+
+    async fn generate(&self, request: Request<node::DecodeRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let req = request.into_inner();
+        self.core.check_tokens(&req.prompt)?;
+        let params = convert::sampling_from_proto(req.sampling.as_ref())?;
+        if params.n != 1 {
+            return Err(Status::invalid_argument("n > 1 is not served by the cluster"));
+        }
+        self.core.engine.validate(req.prompt.clone(), params.clone()).await.map_err(NodeError::from)?;
+        let (tx, rx) = mpsc::channel(64);
+        let span = tracing::info_span!("decode", request_id = %req.request_id);
+        tokio::spawn(self.clone().serve(req, params, tx).instrument(span));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn info(&self, _request: Request<node::InfoRequest>) -> Result<Response<node::InfoResponse>, Status> {
+        Ok(Response::new(self.core.info.clone()))
+    }
+}

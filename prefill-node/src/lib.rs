@@ -1,3 +1,143 @@
-//! The prefill node: runs `tandem-engine` in the prefill role and pushes KV layer by layer.
+//! The prefill node: runs the engine in the prefill role. For each `Prefill` call it queues the prompt
+//! with a transfer plan; the engine thread starts the KV transfer into the decode node's blocks when the
+//! prompt's final chunk is scheduled and pushes every layer as soon as the forward pass wrote it. Once the
+//! decode node confirmed every layer, the held blocks are released and the first token is returned.
 //!
-//! Empty on purpose: the cluster issue builds it. Nothing depends on this crate yet.
+//! Invariants: a cancelled call (the decode node gave up) cancels its transfer and frees its blocks; held
+//! blocks are released exactly once, after the transfer ended.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_engine::sched::Role;
+use tandem_kv_transfer::Fabric;
+use tandem_node::{Event, NodeCore, NodeError, NodeSetup, TransferPlan, convert};
+use tandem_proto::node::v1 as node;
+use tandem_proto::node::v1::prefill_server::{Prefill, PrefillServer};
+use tokio::sync::oneshot;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+/// Deadline of one prompt's KV transfer.
+pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running prefill node.
+#[derive(Debug, Clone)]
+pub struct PrefillNode {
+    core: Arc<NodeCore>,
+}
+
+impl PrefillNode {
+    /// Loads the model and starts the engine and the KV connector.
+    pub async fn start(setup: NodeSetup, fabric: &Fabric) -> Result<PrefillNode, NodeError> {
+        Ok(PrefillNode { core: Arc::new(NodeCore::start(setup, Role::Prefill, fabric).await?) })
+    }
+
+    /// The shared node parts (engine, connector, info).
+    pub fn core(&self) -> &Arc<NodeCore> {
+        &self.core
+    }
+
+    /// The gRPC service.
+    pub fn service(&self) -> PrefillServer<PrefillNode> {
+        PrefillServer::new(self.clone())
+    }
+
+    async fn run(core: Arc<NodeCore>, req: node::PrefillRequest, done: &mut oneshot::Sender<()>) -> Result<node::PrefillResponse, NodeError> {
+        let started = Instant::now();
+        core.check_tokens(&req.prompt)?;
+        let params = convert::sampling_from_proto(req.sampling.as_ref())?;
+        let descriptor = convert::descriptor_from_proto(req.kv.as_ref().ok_or_else(|| NodeError::InvalidArgument("prefill without a KV descriptor".into()))?)?;
+        let prompt_blocks = req.prompt.len().div_ceil(core.block_size);
+        let skip = req.skip_blocks as usize;
+        if skip > prompt_blocks || descriptor.dst_blocks.len() != prompt_blocks - skip {
+            return Err(NodeError::InvalidArgument(format!(
+                "the prompt has {prompt_blocks} blocks; {skip} skipped + {} destination blocks do not add up",
+                descriptor.dst_blocks.len()
+            )));
+        }
+        core.geometry.check_compatible(&descriptor.geometry)?;
+        let plan = TransferPlan { descriptor, skip_blocks: skip, timeout: TRANSFER_TIMEOUT };
+        let (id, mut events) = core.engine.add(req.prompt.clone(), params, Some(plan)).await?;
+        let mut guard = AbortOnDrop { core: &core, id: Some(id) };
+        let event = tokio::select! {
+            e = events.recv() => e,
+            _ = done.closed() => return Err(NodeError::Internal("cancelled by the caller".into())),
+        };
+        let (output, transfer) = match event {
+            Some(Event::PrefillDone { output, transfer: Some(t) }) => (output, t),
+            Some(Event::PrefillDone { transfer: None, .. }) => return Err(NodeError::Internal("the KV transfer never started".into())),
+            Some(Event::Failed(why)) => return Err(NodeError::Internal(why)),
+            Some(Event::Output(_)) => return Err(NodeError::Internal("prefill finished without holding its blocks".into())),
+            None => return Err(NodeError::Internal("the engine dropped the request".into())),
+        };
+        let prefill_done = Instant::now();
+        let mut transfer = transfer;
+        let verdict = tokio::select! {
+            v = transfer.wait() => v,
+            _ = done.closed() => {
+                transfer.cancel().await;
+                return Err(NodeError::Internal("cancelled by the caller".into()));
+            }
+        };
+        // Either way the transfer is over: the blocks can go.
+        guard.id = None;
+        core.engine.release(id);
+        let stats = verdict?;
+        let first = *output.token_ids.first().ok_or_else(|| NodeError::Internal("no first token".into()))?;
+        tracing::info!(
+            request_id = %req.request_id,
+            prompt_tokens = req.prompt.len(),
+            skipped_blocks = skip,
+            prefill_ms = (prefill_done - started).as_secs_f64() * 1e3,
+            transfer_bytes = stats.bytes,
+            transfer_ms = stats.elapsed.as_secs_f64() * 1e3,
+            transfer_gb_per_s = stats.bytes_per_sec() / 1e9,
+            "prefill done"
+        );
+        Ok(node::PrefillResponse {
+            first_token: first,
+            logprob: output.logprobs.first().map(convert::logprob_to_proto),
+            cached_tokens: 0,
+            kv_bytes: stats.bytes,
+            transfer_micros: stats.elapsed.as_micros() as u64,
+            prefill_micros: (prefill_done - started).as_micros() as u64,
+        })
+    }
+}
+
+/// Aborts the engine request unless disarmed (the handler was cancelled or failed midway).
+struct AbortOnDrop<'a> {
+    core: &'a NodeCore,
+    id: Option<tandem_engine::sched::RequestId>,
+}
+
+impl Drop for AbortOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.core.engine.abort(id);
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Prefill for PrefillNode {
+    async fn prefill(&self, request: Request<node::PrefillRequest>) -> Result<Response<node::PrefillResponse>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("prefill", request_id = %req.request_id);
+        // The work runs in its own task so that a cancelled call still cleans up (cancel the transfer
+        // before freeing blocks); the task learns of the cancellation when `rx` is dropped.
+        let (mut tx, rx) = oneshot::channel::<()>();
+        let core = Arc::clone(&self.core);
+        let task = tokio::spawn(async move { PrefillNode::run(core, req, &mut tx).await }.instrument(span));
+        let _keep = rx;
+        match task.await {
+            Ok(r) => r.map(Response::new).map_err(Status::from),
+            Err(e) => Err(Status::internal(format!("prefill task failed: {e}"))),
+        }
+    }
+
+    async fn info(&self, _request: Request<node::InfoRequest>) -> Result<Response<node::InfoResponse>, Status> {
+        Ok(Response::new(self.core.info.clone()))
+    }
+}

@@ -1,3 +1,355 @@
-//! The router: takes client requests, picks a decode and a prefill node, streams tokens back.
+//! The router: serves the client API (`tandem.v1.Tandem`), tokenizes, picks a decode node (by policy)
+//! and a prefill node (least load) from the live membership, and relays the decode node's token stream.
 //!
-//! Empty on purpose: the cluster issue builds it. Nothing depends on this crate yet.
+//! Invariants:
+//! - The router holds no request state beyond the relay: dropping the client's stream drops the decode
+//!   stream, which aborts the request on the decode node (and its prefill).
+//! - A node that fails a call is skipped for a few seconds even before its lease expires, so a dead decode
+//!   node stops receiving requests at once.
+//! - Only nodes currently in membership are ever called.
+
+pub mod policy;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tandem_engine::kv::hash::prefix_block_hashes;
+use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
+use tandem_membership::{NodeInfo, NodeRole};
+use tandem_node::{NodeError, convert, tokenizer_files_from_map};
+use tandem_proto::node::v1 as node;
+use tandem_proto::node::v1::decode_client::DecodeClient;
+use tandem_proto::v1 as api;
+use tandem_proto::v1::tandem_server::{Tandem, TandemServer};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Response, Status};
+
+pub use policy::Policy;
+
+/// How long a node that failed a call is skipped.
+const QUARANTINE: Duration = Duration::from_secs(5);
+
+/// What a model needs at the router: its tokenizer and limits (fetched from a node once).
+struct ModelEntry {
+    tokenizer: Arc<Tokenizer>,
+    max_model_len: u32,
+    block_size: usize,
+}
+
+/// The router service.
+#[derive(Clone)]
+pub struct Router {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    nodes: watch::Receiver<Vec<NodeInfo>>,
+    policy: Policy,
+    models: tokio::sync::Mutex<HashMap<String, Arc<ModelEntry>>>,
+    clients: Mutex<HashMap<String, DecodeClient<Channel>>>,
+    quarantine: Mutex<HashMap<String, Instant>>,
+    prefix: Mutex<policy::PrefixIndex>,
+    rr: AtomicUsize,
+    next_id: AtomicUsize,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router").field("policy", &self.inner.policy).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The request after validation at the router.
+struct Routed {
+    request_id: String,
+    model: String,
+    prompt: Vec<u32>,
+    sampling: api::SamplingParams,
+}
+
+impl Router {
+    /// A router over a membership snapshot stream.
+    pub fn new(nodes: watch::Receiver<Vec<NodeInfo>>, policy: Policy) -> Router {
+        Router {
+            inner: Arc::new(Inner {
+                nodes,
+                policy,
+                models: tokio::sync::Mutex::new(HashMap::new()),
+                clients: Mutex::new(HashMap::new()),
+                quarantine: Mutex::new(HashMap::new()),
+                prefix: Mutex::new(policy::PrefixIndex::new(1 << 20)),
+                rr: AtomicUsize::new(0),
+                next_id: AtomicUsize::new(1),
+            }),
+        }
+    }
+
+    /// The gRPC service.
+    pub fn service(&self) -> TandemServer<Router> {
+        TandemServer::new(self.clone())
+    }
+
+    fn live(&self) -> Vec<NodeInfo> {
+        let q = lock(&self.inner.quarantine);
+        let now = Instant::now();
+        self.inner.nodes.borrow().iter().filter(|n| q.get(&n.id).is_none_or(|&until| until <= now)).cloned().collect()
+    }
+
+    fn quarantine(&self, id: &str) {
+        lock(&self.inner.quarantine).insert(id.to_string(), Instant::now() + QUARANTINE);
+    }
+
+    fn client(&self, addr: &str) -> Result<DecodeClient<Channel>, NodeError> {
+        let mut clients = lock(&self.inner.clients);
+        if let Some(c) = clients.get(addr) {
+            return Ok(c.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| NodeError::Internal(format!("node address {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2));
+        let c = DecodeClient::new(endpoint.connect_lazy());
+        clients.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// The model a request names (or the only one served).
+    fn resolve_model(&self, nodes: &[NodeInfo], asked: &str) -> Result<String, NodeError> {
+        let mut models: Vec<&str> = nodes.iter().map(|n| n.model.as_str()).collect();
+        models.sort_unstable();
+        models.dedup();
+        if !asked.is_empty() {
+            return if models.contains(&asked) {
+                Ok(asked.to_string())
+            } else {
+                Err(NodeError::NotFound(format!("model {asked:?} is not served here (serving: {})", models.join(", "))))
+            };
+        }
+        match models.as_slice() {
+            [] => Err(NodeError::Unavailable("no decode node is available".into())),
+            [one] => Ok(one.to_string()),
+            _ => Err(NodeError::InvalidArgument(format!("several models are served ({}); name one", models.join(", ")))),
+        }
+    }
+
+    async fn model_entry(&self, model: &str, nodes: &[NodeInfo]) -> Result<Arc<ModelEntry>, NodeError> {
+        let mut models = self.inner.models.lock().await;
+        if let Some(e) = models.get(model) {
+            return Ok(Arc::clone(e));
+        }
+        let mut last = None;
+        for n in nodes.iter().filter(|n| n.model == model && n.role == NodeRole::Decode) {
+            let mut client = self.client(&n.grpc_addr)?;
+            let mut req = Request::new(node::InfoRequest {});
+            req.set_timeout(Duration::from_secs(10));
+            match client.info(req).await {
+                Ok(info) => {
+                    let info = info.into_inner();
+                    let files = tokenizer_files_from_map(&info.tokenizer_files)?;
+                    let tokenizer = Tokenizer::from_files(&files)?;
+                    let block_size = info.geometry.as_ref().map(|g| g.block_size as usize).unwrap_or(16).max(1);
+                    let entry = Arc::new(ModelEntry { tokenizer: Arc::new(tokenizer), max_model_len: info.max_model_len, block_size });
+                    models.insert(model.to_string(), Arc::clone(&entry));
+                    return Ok(entry);
+                }
+                Err(e) => {
+                    self.quarantine(&n.id);
+                    last = Some(e);
+                }
+            }
+        }
+        Err(match last {
+            Some(e) => NodeError::Unavailable(format!("no decode node of {model} answered: {}", e.message())),
+            None => NodeError::Unavailable(format!("no decode node serves {model}")),
+        })
+    }
+
+    fn tokenize(tokenizer: &Tokenizer, req: &api::GenerateRequest) -> Result<Vec<u32>, NodeError> {
+        use api::generate_request::Prompt;
+        match &req.prompt {
+            None => Err(NodeError::InvalidArgument("the request has no prompt".into())),
+            Some(Prompt::Text(t)) => Ok(tokenizer.encode(t, true)?),
+            Some(Prompt::Chat(chat)) => {
+                if chat.messages.is_empty() {
+                    return Err(NodeError::InvalidArgument("the chat has no messages".into()));
+                }
+                let messages: Vec<ChatMessage> = chat.messages.iter().map(|m| ChatMessage::new(m.role.clone(), m.content.clone())).collect();
+                let text = tokenizer.apply_chat_template(&messages, true)?;
+                Ok(tokenizer.encode(&text, false)?)
+            }
+            Some(Prompt::TokenIds(ids)) => Ok(ids.ids.clone()),
+        }
+    }
+
+    async fn route(&self, req: api::GenerateRequest) -> Result<(Routed, NodeInfo, Option<NodeInfo>, usize), NodeError> {
+        let nodes = self.live();
+        let model = self.resolve_model(&nodes, &req.model)?;
+        let entry = self.model_entry(&model, &nodes).await?;
+        let prompt = Self::tokenize(&entry.tokenizer, &req)?;
+        if prompt.is_empty() {
+            return Err(NodeError::Engine(tandem_engine::Error::EmptyPrompt));
+        }
+        // Fail fast on what the router can already see; the decode node checks everything again.
+        let sampling = req.sampling.clone().unwrap_or_default();
+        let params = convert::sampling_from_proto(Some(&sampling))?;
+        if prompt.len() + params.max_tokens > entry.max_model_len as usize {
+            return Err(NodeError::Engine(tandem_engine::Error::PromptTooLong {
+                prompt: prompt.len(),
+                max_tokens: params.max_tokens,
+                limit: entry.max_model_len as usize,
+            }));
+        }
+        let decoders: Vec<&NodeInfo> = nodes.iter().filter(|n| n.model == model && n.role == NodeRole::Decode).collect();
+        let prefillers: Vec<&NodeInfo> = nodes.iter().filter(|n| n.model == model && n.role == NodeRole::Prefill).collect();
+        let hashes = prefix_block_hashes(&prompt, entry.block_size);
+        let decode = match self.inner.policy {
+            Policy::LeastLoad => policy::least_load(&decoders),
+            Policy::PrefixAware => lock(&self.inner.prefix).pick(&hashes, &decoders),
+            Policy::RoundRobin => {
+                let i = self.inner.rr.fetch_add(1, Ordering::Relaxed);
+                (!decoders.is_empty()).then(|| decoders[i % decoders.len()])
+            }
+        }
+        .ok_or_else(|| NodeError::Unavailable(format!("no decode node of {model} is available")))?
+        .clone();
+        let prefill = match self.inner.policy {
+            Policy::RoundRobin => {
+                let i = self.inner.rr.load(Ordering::Relaxed);
+                (!prefillers.is_empty()).then(|| prefillers[i % prefillers.len()])
+            }
+            _ => policy::least_load(&prefillers),
+        }
+        .cloned();
+        lock(&self.inner.prefix).record(&hashes, &decode.id);
+        let request_id = if req.request_id.is_empty() {
+            format!("req-{}", self.inner.next_id.fetch_add(1, Ordering::Relaxed))
+        } else {
+            req.request_id.clone()
+        };
+        Ok((Routed { request_id, model, prompt, sampling }, decode, prefill, hashes.len()))
+    }
+
+    /// Opens the decode stream for a request.
+    async fn open(&self, req: api::GenerateRequest) -> Result<(String, tonic::Streaming<api::GenerateResponse>), NodeError> {
+        let (routed, decode, prefill, _) = self.route(req).await?;
+        tracing::info!(
+            request_id = %routed.request_id,
+            model = %routed.model,
+            prompt_tokens = routed.prompt.len(),
+            decode = %decode.id,
+            prefill = prefill.as_ref().map(|p| p.id.as_str()).unwrap_or("local"),
+            "routed"
+        );
+        let mut client = self.client(&decode.grpc_addr)?;
+        let call = node::DecodeRequest {
+            request_id: routed.request_id.clone(),
+            prompt: routed.prompt,
+            sampling: Some(routed.sampling),
+            prefill_addr: prefill.map(|p| p.grpc_addr).unwrap_or_default(),
+        };
+        match client.generate(call).await {
+            Ok(stream) => Ok((routed.request_id, stream.into_inner())),
+            Err(s) => {
+                if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled) {
+                    self.quarantine(&decode.id);
+                    return Err(NodeError::Unavailable(format!("decode node {} failed: {}", decode.id, s.message())));
+                }
+                Err(NodeError::Peer(s))
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Tandem for Router {
+    type GenerateStream = ReceiverStream<Result<api::GenerateResponse, Status>>;
+
+    async fn generate(&self, request: Request<api::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let (request_id, mut upstream) = self.open(request.into_inner()).await?;
+        let (tx, rx) = mpsc::channel(64);
+        let router = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let item = tokio::select! {
+                    item = upstream.next() => item,
+                    _ = tx.closed() => {
+                        tracing::info!(%request_id, "client cancelled");
+                        return; // dropping `upstream` cancels the decode node's request
+                    }
+                };
+                match item {
+                    None => return,
+                    Some(Ok(msg)) => {
+                        if tx.send(Ok(msg)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(Err(s)) => {
+                        let s = if matches!(s.code(), Code::Unavailable | Code::Unknown) {
+                            let _ = &router;
+                            Status::unavailable(format!("the decode node failed mid-request: {}", s.message()))
+                        } else {
+                            s
+                        };
+                        let _ = tx.send(Err(s)).await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn generate_unary(&self, request: Request<api::GenerateRequest>) -> Result<Response<api::GenerateUnaryResponse>, Status> {
+        let (request_id, mut upstream) = self.open(request.into_inner()).await?;
+        let mut out = api::GenerateUnaryResponse { request_id, ..Default::default() };
+        while let Some(item) = upstream.next().await {
+            let msg = item?;
+            out.text.push_str(&msg.text);
+            out.token_ids.extend(msg.token_ids);
+            out.logprobs.extend(msg.logprobs);
+            if msg.finish_reason != 0 {
+                out.finish_reason = msg.finish_reason;
+                out.usage = msg.usage;
+            }
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn list_models(&self, _request: Request<api::ListModelsRequest>) -> Result<Response<api::ListModelsResponse>, Status> {
+        let nodes = self.live();
+        let mut by_model: HashMap<String, api::Model> = HashMap::new();
+        for n in &nodes {
+            let m = by_model.entry(n.model.clone()).or_insert_with(|| api::Model { id: n.model.clone(), ..Default::default() });
+            match n.role {
+                NodeRole::Prefill => m.prefill_nodes += 1,
+                NodeRole::Decode => m.decode_nodes += 1,
+            }
+        }
+        let known = self.inner.models.lock().await;
+        let mut models: Vec<api::Model> = by_model
+            .into_values()
+            .map(|mut m| {
+                m.max_model_len = known.get(&m.id).map(|e| e.max_model_len).unwrap_or(0);
+                m
+            })
+            .collect();
+        models.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(Response::new(api::ListModelsResponse { models }))
+    }
+
+    async fn health(&self, _request: Request<api::HealthRequest>) -> Result<Response<api::HealthResponse>, Status> {
+        let nodes = self.live();
+        let count = |r: NodeRole| nodes.iter().filter(|n| n.role == r).count() as u32;
+        let (prefill_nodes, decode_nodes) = (count(NodeRole::Prefill), count(NodeRole::Decode));
+        Ok(Response::new(api::HealthResponse { serving: decode_nodes > 0, prefill_nodes, decode_nodes }))
+    }
+}

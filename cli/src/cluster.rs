@@ -1,0 +1,484 @@
+//! The cluster's processes: `tandem router`, `tandem prefill`, `tandem decode`, `tandem up` (all three in
+//! one process with in-memory membership) and `tandem client`.
+//!
+//! Every server prints one line `tandem <role> serving on ADDR` on stdout once it accepts requests (tests
+//! and scripts wait for it) and drains on SIGTERM or Ctrl-C: it leaves membership first, then finishes
+//! the requests in flight, then exits.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use tandem_decode_node::{DecodeNode, DecodeOptions};
+use tandem_kv_transfer::{ConnectorConfig, ConnectorSpec, Fabric};
+use tandem_membership::{Load, Membership, NodeInfo, NodeRole, Registration};
+use tandem_node::{NodeCore, NodeSetup};
+use tandem_prefill_node::PrefillNode;
+use tandem_proto::v1 as api;
+use tandem_proto::v1::tandem_client::TandemClient;
+use tandem_router::{Policy, Router};
+use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::generate::EngineArgs;
+
+/// Where membership lives.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct EtcdArgs {
+    /// etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379).
+    #[arg(long, value_delimiter = ',', required = true)]
+    etcd: Vec<String>,
+    /// Key prefix of this cluster in etcd.
+    #[arg(long, default_value = "/tandem")]
+    cluster_prefix: String,
+    /// Lease TTL in seconds: a node that stops answering leaves routing within it.
+    #[arg(long, default_value_t = 5)]
+    ttl: u64,
+}
+
+impl EtcdArgs {
+    async fn connect(&self) -> anyhow::Result<Membership> {
+        anyhow::ensure!(self.ttl >= 1, "--ttl must be at least 1 second");
+        let opts = tandem_membership::EtcdOptions { ttl: Duration::from_secs(self.ttl), ..Default::default() };
+        Membership::etcd(&self.etcd, &self.cluster_prefix, opts)
+            .await
+            .with_context(|| format!("connecting to etcd at {}", self.etcd.join(",")))
+    }
+}
+
+/// `tandem router`.
+#[derive(Args, Debug)]
+pub(crate) struct RouterArgs {
+    #[command(flatten)]
+    etcd: EtcdArgs,
+    /// Address to serve the client API on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// How to pick a decode node: least-load, prefix-aware or round-robin.
+    #[arg(long, default_value = "least-load")]
+    policy: Policy,
+}
+
+/// What prefill and decode nodes share on the command line.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct NodeArgs {
+    #[command(flatten)]
+    etcd: EtcdArgs,
+    /// Address to serve the node API on (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Host other nodes use to reach this one [default: the listen IP, or 127.0.0.1 if unspecified].
+    #[arg(long)]
+    advertise: Option<String>,
+    /// KV-transfer backend: tcp, tcp://HOST:PORT, or plugin:/path/lib.so[?config].
+    #[arg(long, default_value = "tcp")]
+    kv_connector: String,
+    /// This node's id in membership [default: role-host-port].
+    #[arg(long)]
+    node_id: Option<String>,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// `tandem prefill`.
+#[derive(Args, Debug)]
+pub(crate) struct PrefillArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+}
+
+/// `tandem decode`.
+#[derive(Args, Debug)]
+pub(crate) struct DecodeArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    /// Prefill prompts here when fewer than this many of their tokens are not already cached.
+    #[arg(long, default_value_t = 32)]
+    local_prefill_below: usize,
+}
+
+/// `tandem up`.
+#[derive(Args, Debug)]
+pub(crate) struct UpArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Address the router serves on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// Routing policy.
+    #[arg(long, default_value = "least-load")]
+    policy: Policy,
+    /// Prefill on the decode node when fewer than this many prompt tokens are uncached (0: always
+    /// transfer).
+    #[arg(long, default_value_t = 0)]
+    local_prefill_below: usize,
+    /// Answer this prompt through the cluster (streamed to stdout), then shut down.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// With --prompt: render it with the chat template.
+    #[arg(long)]
+    chat: bool,
+    /// With --prompt: most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+}
+
+/// `tandem client`.
+#[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
+pub(crate) struct ClientArgs {
+    /// The router's address (HOST:PORT).
+    #[arg(long)]
+    router: String,
+    /// The model [default: the one the cluster serves].
+    #[arg(long, default_value = "")]
+    model: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep only the k most likely tokens.
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// Seed for sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop strings.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Render the prompt with the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: a system message.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// The prompt.
+    prompt: String,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")
+}
+
+/// Resolves when the process is asked to stop.
+async fn stop_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+fn advertised(listen: SocketAddr, advertise: &Option<String>) -> String {
+    let host = match advertise {
+        Some(h) => h.clone(),
+        None if listen.ip().is_unspecified() => "127.0.0.1".into(),
+        None => listen.ip().to_string(),
+    };
+    if host.contains(':') { format!("[{host}]:{}", listen.port()) } else { format!("{host}:{}", listen.port()) }
+}
+
+fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
+    let (dir, engine) = args.engine.prepare(true)?;
+    let mut kv_spec: ConnectorSpec = args.kv_connector.parse()?;
+    if let (ConnectorSpec::Tcp(opts), Some(host)) = (&mut kv_spec, &args.advertise)
+        && opts.advertise.is_none()
+    {
+        opts.advertise = Some(host.clone());
+    }
+    Ok(NodeSetup { model_name: args.engine.model_name(&dir), model_dir: dir, engine, kv_spec, kv_config: ConnectorConfig::default() })
+}
+
+type SharedRegistration = Arc<std::sync::Mutex<Option<Registration>>>;
+
+/// Publishes the node's load into membership until the registration is taken away.
+fn publish_load(core: Arc<NodeCore>, registration: SharedRegistration) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let Ok(load) = core.engine.load().await else { return };
+            let guard = registration.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(reg) = guard.as_ref() else { return };
+            reg.update_load(Load {
+                waiting: load.waiting as u32,
+                running: load.running as u32,
+                free_blocks: load.free_blocks as u32,
+                total_blocks: load.total_blocks as u32,
+            });
+        }
+    });
+}
+
+fn node_info(id: String, role: NodeRole, core: &NodeCore, grpc_addr: String) -> NodeInfo {
+    NodeInfo {
+        id,
+        role,
+        model: core.model_name.clone(),
+        grpc_addr,
+        kv_endpoint: core.connector.endpoint(),
+        load: Load { waiting: 0, running: 0, free_blocks: core.num_blocks as u32, total_blocks: core.num_blocks as u32 },
+    }
+}
+
+/// A node kind's gRPC service.
+enum NodeService {
+    Prefill(PrefillNode),
+    Decode(DecodeNode),
+}
+
+impl NodeService {
+    fn core(&self) -> &Arc<NodeCore> {
+        match self {
+            NodeService::Prefill(n) => n.core(),
+            NodeService::Decode(n) => n.core(),
+        }
+    }
+    fn role(&self) -> NodeRole {
+        match self {
+            NodeService::Prefill(_) => NodeRole::Prefill,
+            NodeService::Decode(_) => NodeRole::Decode,
+        }
+    }
+    fn router(&self) -> tonic::transport::server::Router {
+        let builder = tonic::transport::Server::builder();
+        let mut builder = builder;
+        match self {
+            NodeService::Prefill(n) => builder.add_service(n.service()),
+            NodeService::Decode(n) => builder.add_service(n.service()),
+        }
+    }
+}
+
+/// Serves a node until `stop` resolves: registers, publishes load, drains on stop.
+async fn serve_node(
+    service: NodeService,
+    listener: TcpListener,
+    membership: &Membership,
+    id: String,
+    advertise: Option<String>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let local = listener.local_addr()?;
+    let grpc_addr = advertised(local, &advertise);
+    let role = service.role();
+    let core = Arc::clone(service.core());
+    let registration = membership.register(node_info(id, role, &core, grpc_addr.clone())).await.context("registering in membership")?;
+    let registration: SharedRegistration = Arc::new(std::sync::Mutex::new(Some(registration)));
+    publish_load(Arc::clone(&core), Arc::clone(&registration));
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        stop.await;
+        // Leave routing first, then let the server finish what is in flight.
+        let reg = registration.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(reg) = reg {
+            let _ = reg.deregister().await;
+        }
+        let _ = drained_tx.send(());
+    };
+    let role_name = if role == NodeRole::Prefill { "prefill" } else { "decode" };
+    println!("tandem {role_name} serving on {grpc_addr}");
+    let _ = std::io::stdout().flush();
+    service
+        .router()
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+        .context("serving the node API")?;
+    let _ = drained_rx.await;
+    Ok(())
+}
+
+async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.with_context(|| format!("listening on {addr}"))
+}
+
+fn default_id(role: &str, listener: &TcpListener) -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "node".into());
+    let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+    format!("{role}-{host}-{port}")
+}
+
+pub(crate) fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
+    let setup = node_setup(&args.node)?;
+    runtime()?.block_on(async {
+        let membership = args.node.etcd.connect().await?;
+        let listener = bind(args.node.listen).await?;
+        let node = PrefillNode::start(setup, &Fabric::new()).await?;
+        let id = args.node.node_id.clone().unwrap_or_else(|| default_id("prefill", &listener));
+        serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), stop_signal()).await
+    })
+}
+
+pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
+    let setup = node_setup(&args.node)?;
+    let opts = DecodeOptions { local_prefill_below: args.local_prefill_below, ..DecodeOptions::default() };
+    runtime()?.block_on(async {
+        let membership = args.node.etcd.connect().await?;
+        let listener = bind(args.node.listen).await?;
+        let node = DecodeNode::start(setup, opts, &Fabric::new()).await?;
+        let id = args.node.node_id.clone().unwrap_or_else(|| default_id("decode", &listener));
+        serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), stop_signal()).await
+    })
+}
+
+async fn serve_router(router: Router, listener: TcpListener, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    tonic::transport::Server::builder()
+        .add_service(router.service())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop)
+        .await
+        .context("serving the client API")
+}
+
+pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
+    runtime()?.block_on(async {
+        let membership = args.etcd.connect().await?;
+        let nodes = membership.watch().await.context("watching membership")?;
+        let listener = bind(args.listen).await?;
+        println!("tandem router serving on {}", listener.local_addr()?);
+        let _ = std::io::stdout().flush();
+        serve_router(Router::new(nodes, args.policy), listener, stop_signal()).await
+    })
+}
+
+pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    let (dir, engine) = args.engine.prepare(true)?;
+    let model_name = args.engine.model_name(&dir);
+    let setup = NodeSetup {
+        model_dir: dir,
+        model_name,
+        engine,
+        kv_spec: ConnectorSpec::Tcp(Default::default()),
+        kv_config: ConnectorConfig::default(),
+    };
+    runtime()?.block_on(async {
+        let membership = Membership::memory();
+        let fabric = Fabric::new();
+        let prefill = PrefillNode::start(setup.clone(), &fabric).await?;
+        let opts = DecodeOptions { local_prefill_below: args.local_prefill_below, ..DecodeOptions::default() };
+        let decode = DecodeNode::start(setup, opts, &fabric).await?;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let mut tasks = Vec::new();
+        for (service, role) in [(NodeService::Prefill(prefill), "prefill"), (NodeService::Decode(decode), "decode")] {
+            let listener = bind("127.0.0.1:0".parse()?).await?;
+            let id = default_id(role, &listener);
+            let membership = membership.clone();
+            let stop = stopped(stop_rx.clone());
+            tasks.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, stop).await }));
+        }
+        let nodes = membership.watch().await?;
+        // Wait until both nodes registered, so the first request finds them.
+        let mut watch = nodes.clone();
+        tokio::time::timeout(Duration::from_secs(30), watch.wait_for(|n| n.len() >= 2))
+            .await
+            .context("the embedded nodes did not register")?
+            .context("membership closed")?;
+        let listener = bind(args.listen).await?;
+        let addr = listener.local_addr()?;
+        println!("tandem up: serving on {addr}");
+        let _ = std::io::stdout().flush();
+        let router = tokio::spawn(serve_router(Router::new(nodes, args.policy), listener, stopped(stop_rx.clone())));
+        let outcome = match &args.prompt {
+            Some(prompt) => {
+                let req = request(prompt, args.chat, None, "", sampling(args.max_tokens, 0.0, None, None, None, Vec::new()));
+                stream_to_stdout(&addr.to_string(), req).await
+            }
+            None => {
+                stop_signal().await;
+                Ok(())
+            }
+        };
+        let _ = stop_tx.send(true);
+        let _ = router.await;
+        for t in tasks {
+            let _ = t.await;
+        }
+        outcome
+    })
+}
+
+fn sampling(max_tokens: u32, temperature: f32, top_p: Option<f32>, top_k: Option<u32>, seed: Option<u64>, stop: Vec<String>) -> api::SamplingParams {
+    api::SamplingParams { max_tokens: Some(max_tokens), temperature: Some(temperature), top_p, top_k, seed, stop, ..Default::default() }
+}
+
+fn request(prompt: &str, chat: bool, system: Option<&str>, model: &str, sampling: api::SamplingParams) -> api::GenerateRequest {
+    use api::generate_request::Prompt;
+    let prompt = if chat {
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(api::ChatMessage { role: "system".into(), content: s.into() });
+        }
+        messages.push(api::ChatMessage { role: "user".into(), content: prompt.into() });
+        Prompt::Chat(api::Chat { messages })
+    } else {
+        Prompt::Text(prompt.into())
+    };
+    api::GenerateRequest { model: model.into(), prompt: Some(prompt), sampling: Some(sampling), request_id: String::new() }
+}
+
+/// Streams a completion to stdout as it arrives; the stats line goes to stderr.
+async fn stream_to_stdout(router: &str, req: api::GenerateRequest) -> anyhow::Result<()> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{router}"))
+        .with_context(|| format!("router address {router:?}"))?
+        .connect_timeout(Duration::from_secs(5));
+    let channel = endpoint.connect().await.with_context(|| format!("connecting to the router at {router}"))?;
+    let mut client = TandemClient::new(channel);
+    let mut stream = client.generate(req).await.map_err(status_error)?.into_inner();
+    let mut stdout = std::io::stdout();
+    while let Some(msg) = stream.next().await {
+        let msg = msg.map_err(status_error)?;
+        stdout.write_all(msg.text.as_bytes())?;
+        stdout.flush()?;
+        if let Some(u) = msg.usage {
+            writeln!(stdout)?;
+            let reason = api::FinishReason::try_from(msg.finish_reason).map(|r| r.as_str_name()).unwrap_or("?");
+            eprintln!(
+                "[{} prompt tokens ({} cached), {} completion tokens, {}]",
+                u.prompt_tokens, u.cached_tokens, u.completion_tokens, reason
+            );
+        }
+    }
+    Ok(())
+}
+
+fn status_error(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{} ({:?})", s.message(), s.code())
+}
+
+pub(crate) fn run_client(args: ClientArgs) -> anyhow::Result<()> {
+    if args.prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let req = request(
+        &args.prompt,
+        args.chat,
+        args.system.as_deref(),
+        &args.model,
+        sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop.clone()),
+    );
+    runtime()?.block_on(stream_to_stdout(&args.router, req))
+}
