@@ -129,7 +129,7 @@ impl Core {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
         let seed = [nanos.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat();
-        let id_prefix = xxhash_rust::xxh3::xxh3_64(&seed) << 24;
+        let id_prefix = twox_hash::XxHash3_64::oneshot(&seed) << 24;
         Arc::new_cyclic(|me| Core {
             memory,
             config,

@@ -20,7 +20,7 @@ use crate::error::NodeError;
 pub fn model_fingerprint(name: &str, model_dir: &Path) -> Result<String, NodeError> {
     let config = std::fs::read(model_dir.join("config.json"))
         .map_err(|e| NodeError::Internal(format!("reading {}/config.json: {e}", model_dir.display())))?;
-    let mut id = format!("{name}@{:016x}", xxhash_rust::xxh3::xxh3_64(&config));
+    let mut id = format!("{name}@{:016x}", twox_hash::XxHash3_64::oneshot(&config));
     id.truncate(200);
     Ok(id)
 }

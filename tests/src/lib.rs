@@ -1,6 +1,8 @@
 //! Helpers for tandem's end-to-end tests: find the `tandem` binary, run it with a time limit, and
 //! get the real model through `tandem model pull` (idempotent; the first run downloads it).
 
+pub mod process;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -17,7 +19,18 @@ pub fn tandem_bin() -> PathBuf {
     assert!(bin.is_file(), "{} is missing: build it first (cargo build -p tandem-cli) or set TANDEM_BIN", bin.display());
     // `cargo test` does not rebuild another package's binary: refuse to test a stale one.
     let built = std::fs::metadata(&bin).and_then(|m| m.modified()).expect("binary mtime");
-    if let Some(newer) = ["cli/src", "engine/src", "kernels/src"].iter().find_map(|d| newer_than(&repo_root().join(d), built)) {
+    if let Some(newer) = [
+        "cli/src",
+        "engine/src",
+        "kernels/src",
+        "kv-transfer/src",
+        "node/src",
+        "router/src",
+        "prefill-node/src",
+        "decode-node/src",
+        "membership/src",
+        "proto/proto",
+    ].iter().find_map(|d| newer_than(&repo_root().join(d), built)) {
         panic!("{} is older than {}: rebuild it (cargo build -p tandem-cli) or run scripts/test.sh", bin.display(), newer.display());
     }
     bin

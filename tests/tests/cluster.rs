@@ -1,0 +1,344 @@
+//! The cluster end to end with real processes: etcd (Debian's etcd-server on random loopback ports), a
+//! router, prefill and decode nodes started from the `tandem` binary, gRPC clients. Greedy output through
+//! the cluster equals a single process's; cancellation, node deaths and an etcd restart leave no hang and
+//! no leaked block; bad input gets typed statuses.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_engine::Engine;
+use tandem_engine::engine::{EngineConfig, Prompt};
+use tandem_engine::sampling::SamplingParams;
+use tandem_membership::{Membership, NodeInfo, NodeRole};
+use tandem_proto::v1 as api;
+use tandem_proto::v1::tandem_client::TandemClient;
+use tandem_tests::etcd::EtcdServer;
+use tandem_tests::process::Proc;
+use tandem_tests::{run_tandem, smollm2_dir};
+use tokio_stream::StreamExt;
+use tonic::Code;
+use tonic::transport::Channel;
+
+const START: Duration = Duration::from_secs(120);
+const PREFIX: &str = "/tandem-test";
+
+struct Cluster {
+    etcd: EtcdServer,
+    router: Proc,
+    prefill: Vec<Proc>,
+    decode: Vec<Proc>,
+    addr: String,
+}
+
+fn node_args<'a>(role: &'a str, etcd: &'a str, model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![role, "--etcd", etcd, "--cluster-prefix", PREFIX, "--ttl", "2", "--model", model, "--kv-cache-mib", "256"];
+    args.extend_from_slice(extra);
+    args
+}
+
+impl Cluster {
+    fn start(prefills: usize, decodes: usize, decode_extra: &[&str]) -> Cluster {
+        let etcd = EtcdServer::start();
+        let endpoint = etcd.endpoint();
+        let model = smollm2_dir();
+        let model = model.to_str().unwrap();
+        let mut router = Proc::start("router", &["router", "--etcd", &endpoint, "--cluster-prefix", PREFIX, "--listen", "127.0.0.1:0"]);
+        let addr = router.wait_serving(START);
+        let mut prefill: Vec<Proc> = (0..prefills).map(|i| Proc::start(&format!("prefill{i}"), &node_args("prefill", &endpoint, model, &[]))).collect();
+        let mut decode: Vec<Proc> = (0..decodes)
+            .map(|i| {
+                let mut extra = vec!["--local-prefill-below", "0"];
+                extra.extend_from_slice(decode_extra);
+                Proc::start(&format!("decode{i}"), &node_args("decode", &endpoint, model, &extra))
+            })
+            .collect();
+        for p in prefill.iter_mut().chain(decode.iter_mut()) {
+            p.wait_serving(START);
+        }
+        Cluster { etcd, router, prefill, decode, addr }
+    }
+
+    async fn client(&self) -> TandemClient<Channel> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match TandemClient::connect(format!("http://{}", self.addr)).await {
+                Ok(c) => return c,
+                Err(e) if Instant::now() > deadline => panic!("router unreachable: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    async fn membership(&self) -> tokio::sync::watch::Receiver<Vec<NodeInfo>> {
+        let m = Membership::etcd(&[self.etcd.endpoint()], PREFIX, Default::default()).await.expect("etcd");
+        m.watch().await.expect("watch")
+    }
+
+    /// Waits until the router sees the expected number of nodes per role.
+    async fn wait_health(&self, prefill: u32, decode: u32) {
+        let mut client = self.client().await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(h) = client.health(api::HealthRequest {}).await {
+                let h = h.into_inner();
+                if h.prefill_nodes == prefill && h.decode_nodes == decode {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "router never saw {prefill} prefill + {decode} decode nodes");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Waits until every node in membership reports all its KV blocks free.
+async fn wait_all_blocks_free(nodes: &mut tokio::sync::watch::Receiver<Vec<NodeInfo>>, expect_nodes: usize) {
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        nodes.wait_for(|ns| ns.len() == expect_nodes && ns.iter().all(|n| n.load.free_blocks == n.load.total_blocks && n.load.running == 0)),
+    )
+    .await;
+    let now: Vec<String> = nodes.borrow().iter().map(|n| format!("{} {:?}", n.id, n.load)).collect();
+    assert!(r.is_ok(), "blocks still in use: {now:?}");
+}
+
+fn greedy(max_tokens: u32) -> api::SamplingParams {
+    api::SamplingParams { max_tokens: Some(max_tokens), temperature: Some(0.0), ..Default::default() }
+}
+
+fn text_request(prompt: &str, max_tokens: u32) -> api::GenerateRequest {
+    api::GenerateRequest {
+        prompt: Some(api::generate_request::Prompt::Text(prompt.into())),
+        sampling: Some(greedy(max_tokens)),
+        ..Default::default()
+    }
+}
+
+async fn collect(client: &mut TandemClient<Channel>, req: api::GenerateRequest) -> Result<(String, Vec<u32>, api::Usage), tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let (mut text, mut ids, mut usage) = (String::new(), Vec::new(), None);
+    while let Some(msg) = stream.next().await {
+        let msg = msg?;
+        text.push_str(&msg.text);
+        ids.extend(msg.token_ids);
+        if msg.usage.is_some() {
+            usage = msg.usage;
+        }
+    }
+    Ok((text, ids, usage.expect("the last message carries usage")))
+}
+
+/// Greedy completions of `prompts` from one in-process engine, the single-process reference.
+fn reference(prompts: &[String], max_tokens: usize) -> Vec<Vec<u32>> {
+    let mut engine = Engine::load(&smollm2_dir(), EngineConfig::default()).expect("load");
+    prompts
+        .iter()
+        .map(|p| {
+            let params = SamplingParams { max_tokens, temperature: 0.0, ..SamplingParams::default() };
+            engine.generate(&Prompt::Text(p.clone()), params).expect("generate").remove(0).token_ids
+        })
+        .collect()
+}
+
+fn generate_stdout(args: &[&str]) -> String {
+    let out = run_tandem(args, Duration::from_secs(300));
+    assert!(out.status.success(), "tandem {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+#[test]
+fn cluster_output_equals_generate_through_the_cli() {
+    let cluster = Cluster::start(1, 1, &[]);
+    let model = smollm2_dir();
+    let model = model.to_str().unwrap();
+    let long = "Tell me everything about the history of the Roman Empire, its emperors, its wars and its fall. ".repeat(8);
+    for (prompt, chat) in [("The capital of France is", false), ("What is 2 + 2?", true), (long.as_str(), false)] {
+        let mut args = vec!["--max-tokens", "24", prompt];
+        if chat {
+            args.insert(0, "--chat");
+        }
+        let mut gen_args = vec!["generate", "--model", model];
+        gen_args.extend_from_slice(&args);
+        let mut client_args = vec!["client", "--router", cluster.addr.as_str()];
+        client_args.extend_from_slice(&args);
+        let expected = generate_stdout(&gen_args);
+        let got = generate_stdout(&client_args);
+        assert_eq!(got.trim_end(), expected.trim_end(), "prompt {prompt:?}");
+    }
+    let log = cluster.prefill[0].stderr();
+    assert!(log.contains("prefill done") && log.contains("transfer_bytes"), "the prompts were not prefilled remotely:\n{log}");
+    let decode_log = cluster.decode[0].stderr();
+    assert!(decode_log.contains("decode done"), "{decode_log}");
+    drop(cluster);
+}
+
+#[test]
+fn embedded_cluster_answers_like_generate() {
+    let model = smollm2_dir();
+    let model = model.to_str().unwrap();
+    let expected = generate_stdout(&["generate", "--model", model, "--max-tokens", "20", "Once upon a time"]);
+    let out = generate_stdout(&["up", "--model", model, "--listen", "127.0.0.1:0", "--max-tokens", "20", "--prompt", "Once upon a time"]);
+    let mut lines = out.lines();
+    assert!(lines.next().unwrap().starts_with("tandem up: serving on 127.0.0.1:"), "{out}");
+    let answer: Vec<&str> = lines.collect();
+    assert_eq!(answer.join("\n").trim_end(), expected.trim_end());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_concurrent_clients_get_single_process_output() {
+    let cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let prompts: Vec<String> = (0..32).map(|i| format!("Question {i}: name a color and explain why number {} is interesting.", i * 7)).collect();
+    let expected = tokio::task::spawn_blocking({
+        let prompts = prompts.clone();
+        move || reference(&prompts, 12)
+    });
+    let mut tasks = Vec::new();
+    for p in &prompts {
+        let mut client = cluster.client().await;
+        let req = text_request(p, 12);
+        tasks.push(tokio::spawn(async move { collect(&mut client, req).await }));
+    }
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(t.await.unwrap().expect("request failed").1);
+    }
+    let expected = expected.await.unwrap();
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g, e, "prompt {i}");
+    }
+    let mut nodes = cluster.membership().await;
+    wait_all_blocks_free(&mut nodes, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancelling_a_stream_frees_every_block_on_both_nodes() {
+    let cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let mut client = cluster.client().await;
+    let mut req = text_request("Write a very long story about a dragon who learns to code.", 400);
+    req.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut stream = client.generate(req).await.expect("start").into_inner();
+    for _ in 0..3 {
+        stream.next().await.expect("a token").expect("ok");
+    }
+    drop(stream);
+    let mut nodes = cluster.membership().await;
+    wait_all_blocks_free(&mut nodes, 2).await;
+    let log = cluster.decode[0].stderr();
+    assert!(!log.contains("decode done"), "the request ran to its end instead of being aborted");
+    // The cluster still serves.
+    let (text, _, _) = collect(&mut client, text_request("Hello", 4)).await.expect("after a cancel");
+    assert!(!text.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefill_node_killed_mid_request_still_completes() {
+    let mut cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let prompt = "Summarise the following text in one sentence. ".repeat(60);
+    let expected = tokio::task::spawn_blocking({
+        let p = prompt.clone();
+        move || reference(&[p], 8)
+    });
+    let mut client = cluster.client().await;
+    let req = text_request(&prompt, 8);
+    let call = tokio::spawn(async move { collect(&mut client, req).await });
+    // The long prompt keeps the prefill node busy; kill it while it works.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.prefill[0].kill();
+    let started = Instant::now();
+    let (_, ids, _) = tokio::time::timeout(Duration::from_secs(60), call).await.expect("no hang").unwrap().expect("request completes");
+    assert_eq!(ids, expected.await.unwrap()[0]);
+    assert!(started.elapsed() < Duration::from_secs(60));
+    let mut nodes = cluster.membership().await;
+    wait_all_blocks_free(&mut nodes, 1).await; // the dead prefill node's lease expired
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn decode_node_killed_gives_a_prompt_error_and_leaves_routing() {
+    let mut cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let mut client = cluster.client().await;
+    let mut req = text_request("Count slowly from one to one thousand.", 400);
+    req.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut stream = client.generate(req).await.expect("start").into_inner();
+    stream.next().await.expect("a token").expect("ok");
+    cluster.decode[0].kill();
+    let started = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stream.next().await {
+                Some(Ok(_)) => continue,
+                Some(Err(s)) => return s,
+                None => panic!("the stream ended cleanly although its decode node died"),
+            }
+        }
+    })
+    .await
+    .expect("the client learns promptly");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // The next request is not sent to the dead node: with no decode node left it is UNAVAILABLE at once.
+    let t = Instant::now();
+    let s = collect(&mut client, text_request("Hello", 4)).await.expect_err("no decode node");
+    assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+    assert!(t.elapsed() < Duration::from_secs(5));
+    cluster.wait_health(1, 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nodes_come_back_after_an_etcd_restart() {
+    let mut cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    cluster.etcd.restart(true); // a fresh etcd: every key and lease is gone
+    cluster.wait_health(1, 1).await;
+    let mut client = cluster.client().await;
+    let (text, _, _) = collect(&mut client, text_request("The sky is", 6)).await.expect("served after the restart");
+    assert!(!text.is_empty());
+    let _ = &mut cluster;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_input_gets_typed_statuses() {
+    let cluster = Cluster::start(0, 1, &["--kv-cache-mib", "2"]);
+    cluster.wait_health(0, 1).await;
+    let mut client = cluster.client().await;
+    let code = |r: Result<(String, Vec<u32>, api::Usage), tonic::Status>| r.expect_err("must fail").code();
+    assert_eq!(code(collect(&mut client, text_request("", 4)).await), Code::InvalidArgument, "empty prompt");
+    let mut r = text_request("hi", 4);
+    r.prompt = None;
+    assert_eq!(code(collect(&mut client, r).await), Code::InvalidArgument, "no prompt");
+    assert_eq!(code(collect(&mut client, text_request("hi", 100_000)).await), Code::InvalidArgument, "over the context");
+    let mut r = text_request("hi", 4);
+    r.sampling.as_mut().unwrap().temperature = Some(-1.0);
+    assert_eq!(code(collect(&mut client, r).await), Code::InvalidArgument, "bad temperature");
+    let mut r = text_request("hi", 4);
+    r.model = "no-such-model".into();
+    assert_eq!(code(collect(&mut client, r).await), Code::NotFound, "unknown model");
+    let mut r = text_request("hi", 4);
+    r.prompt = Some(api::generate_request::Prompt::TokenIds(api::TokenIds { ids: vec![1, 999_999_999] }));
+    assert_eq!(code(collect(&mut client, r).await), Code::InvalidArgument, "token id outside the vocabulary");
+    // 2 MiB of KV holds two blocks (32 tokens): a longer prompt can never fit.
+    let long = "word ".repeat(200);
+    assert_eq!(code(collect(&mut client, text_request(&long, 4)).await), Code::ResourceExhausted, "over capacity");
+    // Without prefill nodes the decode node prefills itself.
+    let (text, _, _) = collect(&mut client, text_request("Hi", 3)).await.expect("local prefill");
+    assert!(!text.is_empty());
+    let mut nodes = cluster.membership().await;
+    wait_all_blocks_free(&mut nodes, 1).await;
+    let _ = Arc::new(());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_without_nodes_is_unavailable() {
+    let etcd = EtcdServer::start();
+    let mut router = Proc::start("router", &["router", "--etcd", &etcd.endpoint(), "--cluster-prefix", "/empty", "--listen", "127.0.0.1:0"]);
+    let addr = router.wait_serving(START);
+    let mut client = TandemClient::connect(format!("http://{addr}")).await.unwrap();
+    let s = collect(&mut client, text_request("hi", 3)).await.expect_err("no nodes");
+    assert_eq!(s.code(), Code::Unavailable);
+    let h = client.health(api::HealthRequest {}).await.unwrap().into_inner();
+    assert!(!h.serving);
+    let _ = NodeRole::Decode;
+}
