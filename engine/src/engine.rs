@@ -7,7 +7,12 @@
 //!
 //! Invariants: every request that enters leaves through exactly one finish (stop, length, abort),
 //! and its blocks go back to the pool then; in the prefill role, blocks stay held until
-//! [`Engine::release`].
+//! [`Engine::release`]. An unobserved [`Engine::step`] builds nothing for observers; an observed
+//! one ([`Engine::step_observed`]) reports layers as `observe.rs` documents.
+
+mod observe;
+
+pub use observe::{PrefillReady, StepObserver};
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -117,6 +122,19 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
+}
+
+/// How busy an engine is, for routing ([`Engine::current_load`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineLoad {
+    /// Sequences waiting for admission (new or preempted) or, with remote KV, for a running slot.
+    pub waiting: usize,
+    /// Sequences admitted and running (held and awaiting-KV ones excluded).
+    pub running: usize,
+    /// KV blocks available for allocation: free plus evictable prefix-cache blocks.
+    pub free_blocks: usize,
+    /// KV blocks in the pool.
+    pub total_blocks: usize,
 }
 
 /// A finished sequence, as [`Engine::generate`] returns it.
@@ -268,15 +286,51 @@ impl Engine {
         }
     }
 
-    fn validate(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+    /// Checks a tokenized request the way [`Self::add_request`] and [`Self::add_remote_request`]
+    /// do, without allocating or queueing anything: sampling parameters
+    /// ([`Error::InvalidSampling`], also for `n` above `max_num_seqs`), an empty prompt
+    /// ([`Error::EmptyPrompt`]), token ids outside the vocabulary ([`Error::Tokenizer`]), the
+    /// context limit ([`Error::PromptTooLong`]) and the pool's capacity
+    /// ([`Error::CapacityExceeded`]: one sequence of prompt + `max_tokens` tokens would not fit
+    /// even in an empty pool). Passing does not promise free blocks right now
+    /// ([`Error::KvPoolFull`] stays possible for a remote request).
+    pub fn validate_request(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         params.validate()?;
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        if prompt.len() + params.max_tokens > self.max_model_len {
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Tokenizer(format!("token id {bad} is outside the vocabulary of {vocab}")));
+        }
+        if prompt.len().saturating_add(params.max_tokens) > self.max_model_len {
             return Err(Error::PromptTooLong { prompt: prompt.len(), max_tokens: params.max_tokens, limit: self.max_model_len });
         }
-        Ok(())
+        self.sched.check_admissible(prompt.len(), params.n, params.max_tokens)
+    }
+
+    /// Leading tokens of `prompt` whose KV the prefix cache holds right now: a multiple of
+    /// `block_size`, 0 with prefix caching off. Read-only (takes no block, touches no LRU
+    /// order), so the answer can go stale as soon as the engine steps. A remote allocation of
+    /// this prompt reuses that many tokens; a local prefill reuses as many except that it always
+    /// computes the prompt's last token (one block less when the whole prompt is cached).
+    pub fn cached_prefix_len(&self, prompt: &[u32]) -> usize {
+        if !self.cfg.enable_prefix_caching {
+            return 0;
+        }
+        let pool = self.sched.pool();
+        pool.match_prefix(prompt, prompt.len() / self.cfg.block_size).len() * self.cfg.block_size
+    }
+
+    /// Queue lengths and pool occupancy, for routing.
+    pub fn current_load(&self) -> EngineLoad {
+        let pool = self.sched.pool();
+        EngineLoad {
+            waiting: self.sched.num_waiting(),
+            running: self.sched.num_running(),
+            free_blocks: pool.num_free(),
+            total_blocks: pool.num_blocks(),
+        }
     }
 
     fn new_state(&mut self, prompt: Vec<u32>, params: SamplingParams) -> (RequestId, RequestState) {
@@ -291,7 +345,7 @@ impl Engine {
     /// Validates and queues a request; returns its id.
     pub fn add_request(&mut self, prompt: &Prompt, params: SamplingParams) -> Result<RequestId> {
         let ids = self.tokenize(prompt)?;
-        self.validate(&ids, &params)?;
+        self.validate_request(&ids, &params)?;
         let (id, state) = self.new_state(ids, params);
         self.sched.add_request(NewRequest { id, prompt: state.prompt.clone(), n: state.params.n, max_tokens: state.params.max_tokens })?;
         self.requests.insert(id, state);
@@ -301,7 +355,7 @@ impl Engine {
     /// Decode role: allocates blocks for a prompt whose KV another node computes. The request
     /// waits until [`Engine::kv_ready`].
     pub fn add_remote_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<(RequestId, RemoteAlloc)> {
-        self.validate(&prompt, &params)?;
+        self.validate_request(&prompt, &params)?;
         let (id, mut state) = self.new_state(prompt, params);
         let alloc = self.sched.allocate_remote(NewRequest {
             id,
@@ -357,6 +411,16 @@ impl Engine {
 
     /// Runs one scheduling step and returns what every sequence produced.
     pub fn step(&mut self) -> Result<Vec<SeqOutput>> {
+        self.run_step(None)
+    }
+
+    /// [`Self::step`], reporting to `obs` the Prefill-role requests whose prompt completes in
+    /// this step and each layer of the forward pass as its KV is written (see [`StepObserver`]).
+    pub fn step_observed(&mut self, obs: &mut dyn StepObserver) -> Result<Vec<SeqOutput>> {
+        self.run_step(Some(obs))
+    }
+
+    fn run_step(&mut self, obs: Option<&mut dyn StepObserver>) -> Result<Vec<SeqOutput>> {
         let schedule = self.sched.schedule();
         for &BlockCopy { src, dst } in &schedule.copies {
             self.kv.copy_block(src.0, dst.0);
@@ -377,7 +441,27 @@ impl Engine {
             .zip(&tables)
             .map(|(c, t)| BatchChunk { tokens: &c.tokens, start_pos: c.start_pos, block_table: t, want_logits: c.sample })
             .collect();
-        let logits = self.model.forward(&batch, &mut self.kv)?;
+        let logits = match obs {
+            None => self.model.forward(&batch, &mut self.kv)?,
+            Some(obs) => {
+                let ready: Vec<PrefillReady> = if self.cfg.role == Role::Prefill {
+                    schedule
+                        .chunks
+                        .iter()
+                        .filter(|c| c.sample)
+                        .map(|c| PrefillReady {
+                            request: c.seq.request,
+                            block_table: c.block_table.clone(),
+                            prompt_len: c.start_pos + c.tokens.len(),
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                obs.prefill_completing(&ready);
+                self.model.forward_observed(&batch, &mut self.kv, &mut |layer, kv| obs.layer_done_with_kv(layer, kv))?
+            }
+        };
         let vocab = self.model.config().vocab_size;
         let mut outputs = Vec::new();
         for (row, chunk) in schedule.chunks.iter().filter(|c| c.sample).enumerate() {
@@ -465,7 +549,8 @@ impl Engine {
                 req.held = Some(self.sched.hold(seq_id));
             } else {
                 self.sched.finish(seq_id);
-                if req.seqs.iter().all(|s| s.finished) {
+                // A sibling held for a transfer keeps the request known until `release`.
+                if req.seqs.iter().all(|s| s.finished) && req.held.is_none() {
                     self.requests.remove(&seq_id.request);
                 }
             }

@@ -10,6 +10,11 @@
 //! - `generation_config.json` and `config.json` (optional): `eos_token_id` (an int or a list) and
 //!   `bos_token_id`.
 //!
+//! Those files' contents travel as a [`TokenizerFiles`], so a process without the model
+//! directory (a router) builds the same tokenizer from what a node sends it:
+//! `from_model_dir(dir)` is exactly `from_files(&TokenizerFiles::read(dir)?)`, error paths
+//! aside (errors of `from_files` name the file without a directory).
+//!
 //! How the engine encodes prompts: a chat prompt is rendered with
 //! [`Tokenizer::apply_chat_template`] and encoded with `encode(chat_text, false)` (or both at once
 //! with [`Tokenizer::encode_chat`]): the template writes every special token itself, including a
@@ -75,35 +80,51 @@ impl Tokenizer {
     /// [`Error::Tokenizer`] if `tokenizer.json` or `tokenizer_config.json` is invalid,
     /// [`Error::Config`] for an invalid `config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, Error> {
-        let tok_path = dir.join("tokenizer.json");
-        if !tok_path.is_file() {
-            return Err(Error::ModelDir {
-                path: tok_path,
-                reason: "tokenizer.json not found".into(),
-            });
-        }
-        let bytes = read(&tok_path)?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| Error::Tokenizer(format!("invalid {}: {e}", tok_path.display())))?;
+        Self::build(&TokenizerFiles::read(dir)?, Some(dir))
+    }
 
-        let tok_cfg: TokenizerConfigFile = read_optional_json(&dir.join("tokenizer_config.json"))?
-            .map(|(path, text)| {
-                serde_json::from_str(&text)
-                    .map_err(|e| Error::Tokenizer(format!("invalid {}: {e}", path.display())))
+    /// Builds the tokenizer from the files' contents, as [`Self::from_model_dir`] does from
+    /// the directory they were read from.
+    ///
+    /// Errors: [`Error::Tokenizer`] if `tokenizer.json` or `tokenizer_config.json` is invalid,
+    /// [`Error::ModelDir`] (naming the file alone) for an invalid `generation_config.json`,
+    /// [`Error::Config`] for an invalid `config.json`.
+    pub fn from_files(files: &TokenizerFiles) -> Result<Self, Error> {
+        Self::build(files, None)
+    }
+
+    /// The shared loader; `dir`, when known, only names files in errors and logs.
+    fn build(files: &TokenizerFiles, dir: Option<&Path>) -> Result<Self, Error> {
+        let file = |name: &str| dir.map_or_else(|| PathBuf::from(name), |d| d.join(name));
+        let inner = tokenizers::Tokenizer::from_bytes(files.tokenizer_json.as_bytes()).map_err(|e| {
+            Error::Tokenizer(format!("invalid {}: {e}", file(TOKENIZER_JSON).display()))
+        })?;
+
+        let tok_cfg: TokenizerConfigFile = files
+            .tokenizer_config_json
+            .as_deref()
+            .map(|text| {
+                serde_json::from_str(text).map_err(|e| {
+                    Error::Tokenizer(format!("invalid {}: {e}", file(TOKENIZER_CONFIG_JSON).display()))
+                })
             })
             .transpose()?
             .unwrap_or_default();
-        let gen_cfg: IdsFile = read_optional_json(&dir.join("generation_config.json"))?
-            .map(|(path, text)| {
-                serde_json::from_str(&text).map_err(|e| Error::ModelDir {
-                    path,
+        let gen_cfg: IdsFile = files
+            .generation_config_json
+            .as_deref()
+            .map(|text| {
+                serde_json::from_str(text).map_err(|e| Error::ModelDir {
+                    path: file(GENERATION_CONFIG_JSON),
                     reason: format!("invalid JSON: {e}"),
                 })
             })
             .transpose()?
             .unwrap_or_default();
-        let model_cfg: IdsFile = read_optional_json(&dir.join("config.json"))?
-            .map(|(_, text)| serde_json::from_str(&text).map_err(|e| Error::Config(e.to_string())))
+        let model_cfg: IdsFile = files
+            .config_json
+            .as_deref()
+            .map(|text| serde_json::from_str(text).map_err(|e| Error::Config(e.to_string())))
             .transpose()?
             .unwrap_or_default();
 
@@ -161,23 +182,17 @@ impl Tokenizer {
             None => false,
         };
 
-        let template_file = dir.join("chat_template.jinja");
-        let source = if template_file.is_file() {
-            Ok(
-                String::from_utf8(read(&template_file)?).map_err(|_| Error::ModelDir {
-                    path: template_file.clone(),
-                    reason: "not UTF-8".into(),
-                })?,
-            )
-        } else {
-            tok_cfg.chat_template.map_or_else(
+        let source = match &files.chat_template_jinja {
+            Some(text) => Ok(text.clone()),
+            None => tok_cfg.chat_template.map_or_else(
                 || Err("the model has no chat template".to_string()),
                 ChatTemplateField::into_default,
-            )
+            ),
         };
         let chat_template = source.and_then(ChatTemplate::compile);
         if let Err(why) = &chat_template {
-            tracing::debug!(dir = %dir.display(), "no usable chat template: {why}");
+            let dir = dir.map(|d| d.display().to_string()).unwrap_or_default();
+            tracing::debug!(%dir, "no usable chat template: {why}");
         }
 
         Ok(Tokenizer {
@@ -314,24 +329,69 @@ impl Tokenizer {
     }
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, Error> {
-    std::fs::read(path).map_err(|e| Error::ModelDir {
+const TOKENIZER_JSON: &str = "tokenizer.json";
+const TOKENIZER_CONFIG_JSON: &str = "tokenizer_config.json";
+const CHAT_TEMPLATE_JINJA: &str = "chat_template.jinja";
+const GENERATION_CONFIG_JSON: &str = "generation_config.json";
+const CONFIG_JSON: &str = "config.json";
+
+/// The contents of every file [`Tokenizer::from_model_dir`] reads (see the module doc), `None`
+/// for an optional file the directory lacks. Plain text, so it can be sent to a process without
+/// the model directory, which builds the tokenizer with [`Tokenizer::from_files`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerFiles {
+    /// `tokenizer.json` (required).
+    pub tokenizer_json: String,
+    /// `tokenizer_config.json`.
+    pub tokenizer_config_json: Option<String>,
+    /// `chat_template.jinja`.
+    pub chat_template_jinja: Option<String>,
+    /// `generation_config.json`.
+    pub generation_config_json: Option<String>,
+    /// `config.json`.
+    pub config_json: Option<String>,
+}
+
+impl TokenizerFiles {
+    /// Reads the files of the model in `dir`; parses nothing.
+    ///
+    /// Errors: [`Error::ModelDir`] if `tokenizer.json` is missing, or a file exists but cannot
+    /// be read or is not UTF-8.
+    pub fn read(dir: &Path) -> Result<Self, Error> {
+        let tok_path = dir.join(TOKENIZER_JSON);
+        if !tok_path.is_file() {
+            return Err(Error::ModelDir {
+                path: tok_path,
+                reason: "tokenizer.json not found".into(),
+            });
+        }
+        Ok(TokenizerFiles {
+            tokenizer_json: read_text(&tok_path)?,
+            tokenizer_config_json: read_optional_text(&dir.join(TOKENIZER_CONFIG_JSON))?,
+            chat_template_jinja: read_optional_text(&dir.join(CHAT_TEMPLATE_JINJA))?,
+            generation_config_json: read_optional_text(&dir.join(GENERATION_CONFIG_JSON))?,
+            config_json: read_optional_text(&dir.join(CONFIG_JSON))?,
+        })
+    }
+}
+
+fn read_text(path: &Path) -> Result<String, Error> {
+    let bytes = std::fs::read(path).map_err(|e| Error::ModelDir {
         path: path.to_path_buf(),
         reason: e.to_string(),
+    })?;
+    String::from_utf8(bytes).map_err(|_| Error::ModelDir {
+        path: path.to_path_buf(),
+        reason: "not UTF-8".into(),
     })
 }
 
 /// The file's text if it exists.
-fn read_optional_json(path: &Path) -> Result<Option<(PathBuf, String)>, Error> {
+fn read_optional_text(path: &Path) -> Result<Option<String>, Error> {
     if !path.is_file() {
         return Ok(None);
     }
-    let bytes = read(path)?;
-    let text = String::from_utf8(bytes).map_err(|_| Error::ModelDir {
-        path: path.to_path_buf(),
-        reason: "not UTF-8".into(),
-    })?;
-    Ok(Some((path.to_path_buf(), text)))
+    read_text(path).map(Some)
 }
 
 /// The fields of `tokenizer_config.json` tandem uses; everything else is ignored.
@@ -768,5 +828,82 @@ mod tests {
             tok.encode("hi", true).unwrap(),
             tok.encode("hi", false).unwrap()
         );
+    }
+
+    /// Everything observable about a tokenizer on `texts`, for comparing two loads.
+    fn behaviour(tok: &Tokenizer, texts: &[&str]) -> Vec<String> {
+        let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "hello 你好")];
+        let mut out = vec![
+            format!("{:?} {:?} {:?} {:?}", tok.eos_token_ids(), tok.bos_token_id(), tok.bos_token(), tok.eos_token()),
+            format!("{} {}", tok.vocab_size(), tok.has_chat_template()),
+            format!("{:?}", tok.apply_chat_template(&msgs, true).map_err(|e| e.to_string())),
+            format!("{:?}", tok.encode_chat(&msgs, false).map_err(|e| e.to_string())),
+        ];
+        for text in texts {
+            for special in [false, true] {
+                let ids = tok.encode(text, special).unwrap();
+                out.push(format!("{ids:?} {:?} {:?}", tok.decode(&ids, false).unwrap(), tok.decode(&ids, true).unwrap()));
+            }
+        }
+        out
+    }
+
+    const TEXTS: [&str; 5] = ["hello the world", "<|im_start|>user\nhi<|im_end|>", "你好, 世界!", "", " the hello"];
+
+    #[test]
+    fn from_files_equals_from_model_dir_on_the_tiny_model_fixtures() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny");
+        for variant in ["llama", "gqa-tied", "llama3-rope", "mistral"] {
+            let dir = root.join(variant);
+            let files = TokenizerFiles::read(&dir).unwrap();
+            assert_eq!(files.tokenizer_json, std::fs::read_to_string(dir.join("tokenizer.json")).unwrap());
+            assert!(files.tokenizer_config_json.is_some() && files.generation_config_json.is_some());
+            assert!(files.config_json.is_some() && files.chat_template_jinja.is_none());
+            let from_dir = Tokenizer::from_model_dir(&dir).unwrap();
+            let from_files = Tokenizer::from_files(&files).unwrap();
+            assert!(from_dir.has_chat_template(), "{variant}: the fixture ships a template");
+            assert!(!from_dir.eos_token_ids().is_empty());
+            assert_eq!(behaviour(&from_files, &TEXTS), behaviour(&from_dir, &TEXTS), "{variant}");
+        }
+    }
+
+    #[test]
+    fn from_files_equals_from_model_dir_with_a_template_file_and_bos() {
+        for f in [
+            Fixture { template_file: Some("T{{ bos_token }}{{ messages | length }}".into()), ..Fixture::default() },
+            Fixture { bos_post_processor: true, config: Some(serde_json::json!({"eos_token_id": 7})), ..Fixture::default() },
+            Fixture { tokenizer_config: None, generation_config: None, ..Fixture::default() },
+        ] {
+            let dir = f.write();
+            let files = TokenizerFiles::read(dir.path()).unwrap();
+            assert_eq!(files.chat_template_jinja, f.template_file);
+            assert_eq!(files.tokenizer_config_json.is_some(), f.tokenizer_config.is_some());
+            // The contents are all there is: the directory may be gone.
+            drop(dir);
+            let from_files = Tokenizer::from_files(&files).unwrap();
+            let dir = f.write();
+            let from_dir = Tokenizer::from_model_dir(dir.path()).unwrap();
+            assert_eq!(behaviour(&from_files, &TEXTS), behaviour(&from_dir, &TEXTS), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn from_files_errors_name_the_file_and_read_errors_are_model_dir_errors() {
+        let dir = Fixture::default().write();
+        let good = TokenizerFiles::read(dir.path()).unwrap();
+        let bad_cfg = TokenizerFiles { tokenizer_config_json: Some("[1, 2".into()), ..good.clone() };
+        let err = Tokenizer::from_files(&bad_cfg).unwrap_err();
+        assert!(matches!(&err, Error::Tokenizer(m) if m.starts_with("invalid tokenizer_config.json")), "{err}");
+        let bad_tok = TokenizerFiles { tokenizer_json: "{ not json".into(), ..good.clone() };
+        assert!(matches!(Tokenizer::from_files(&bad_tok), Err(Error::Tokenizer(_))));
+        let bad_gen = TokenizerFiles { generation_config_json: Some("{".into()), ..good.clone() };
+        assert!(matches!(Tokenizer::from_files(&bad_gen), Err(Error::ModelDir { path, .. }) if path == Path::new("generation_config.json")));
+        let bad_model = TokenizerFiles { config_json: Some("{\"eos_token_id\": \"x\"}".into()), ..good };
+        assert!(matches!(Tokenizer::from_files(&bad_model), Err(Error::Config(_))));
+
+        std::fs::write(dir.path().join("chat_template.jinja"), [0xff, 0xfe]).unwrap();
+        assert!(matches!(TokenizerFiles::read(dir.path()), Err(Error::ModelDir { path, .. }) if path.ends_with("chat_template.jinja")));
+        let empty = tempfile::tempdir().unwrap();
+        assert!(matches!(TokenizerFiles::read(empty.path()), Err(Error::ModelDir { .. })));
     }
 }

@@ -5,6 +5,10 @@
 //! per chunk against that chunk's block table. Invariant: within a layer, every chunk's K/V is
 //! written before any attention of that layer reads, so chunks sharing blocks in one step see the
 //! same data whatever their order.
+//!
+//! Layer by layer: [`Model::forward_observed`] reports each layer right after that layer's K/V of
+//! every chunk is written. Layer `l` of the cache is written only while layer `l` runs, so once
+//! reported, nothing later in the pass changes it.
 
 mod kv_cache;
 
@@ -99,6 +103,20 @@ impl Model {
     /// Runs `chunks` through the model, writing their K/V into `kv`, and returns one row of
     /// `vocab_size` logits per chunk with `want_logits`, in chunk order.
     pub fn forward(&self, chunks: &[BatchChunk<'_>], kv: &mut KvCache) -> Result<Vec<f32>> {
+        self.forward_observed(chunks, kv, &mut |_, _| {})
+    }
+
+    /// [`Self::forward`], calling `on_layer(l, kv)` for every layer `l` in order, right after
+    /// layer `l`'s K/V of every chunk was written and before that layer's attention runs; the
+    /// rest of the pass never writes layer `l` again, so the callback may read (or start
+    /// sending) those blocks. The chunks are checked before the first layer: on an error the
+    /// callback is not called at all.
+    pub fn forward_observed(
+        &self,
+        chunks: &[BatchChunk<'_>],
+        kv: &mut KvCache,
+        on_layer: &mut dyn FnMut(usize, &KvCache),
+    ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -159,6 +177,7 @@ impl Model {
                 cpu::write_kv(cache, &layout, c.block_table, c.start_pos, &k[offset..offset + n], &v[offset..offset + n]);
                 offset += n;
             }
+            on_layer(l, kv);
             cpu::paged_attention(&q, &attn_chunks, kv.layer(l), &layout, nh, &mut attn);
             cpu::matmul_t(&attn, &layer.o, &mut proj, total, nh * hd, h);
             cpu::add_in_place(&mut x, &proj);

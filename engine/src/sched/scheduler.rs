@@ -342,28 +342,34 @@ impl Scheduler {
         if self.groups.contains_key(&req.id) {
             return Err(Error::DuplicateRequest(req.id.0));
         }
-        if req.prompt.is_empty() {
+        self.check_admissible(req.prompt.len(), req.n, req.max_tokens)
+    }
+
+    /// The checks [`Self::add_request`] makes on a request's shape, without admitting anything:
+    /// the errors it returns except [`Error::DuplicateRequest`]. Read-only.
+    pub fn check_admissible(&self, prompt_len: usize, n: usize, max_tokens: usize) -> Result<()> {
+        if prompt_len == 0 {
             return Err(Error::EmptyPrompt);
         }
-        if req.n == 0 {
+        if n == 0 {
             return Err(Error::InvalidSampling("n must be at least 1".into()));
         }
-        if req.n > self.cfg.max_num_seqs {
+        if n > self.cfg.max_num_seqs {
             return Err(Error::InvalidSampling(format!(
                 "n = {} exceeds the {} sequences this engine runs at once",
-                req.n, self.cfg.max_num_seqs
+                n, self.cfg.max_num_seqs
             )));
         }
-        if req.max_tokens == 0 {
+        if max_tokens == 0 {
             return Err(Error::InvalidSampling(
                 "max_tokens must be at least 1".into(),
             ));
         }
-        let total = req.prompt.len().saturating_add(req.max_tokens);
+        let total = prompt_len.saturating_add(max_tokens);
         if total > self.cfg.max_model_len {
             return Err(Error::PromptTooLong {
-                prompt: req.prompt.len(),
-                max_tokens: req.max_tokens,
+                prompt: prompt_len,
+                max_tokens,
                 limit: self.cfg.max_model_len,
             });
         }
@@ -423,3 +429,4 @@ impl Scheduler {
         self.waiting.push_front(id);
     }
 }
+
