@@ -526,7 +526,10 @@ impl Engine {
                 }
             }
         }
-        if out.finish.is_none() && role == Role::Prefill {
+        // A prefill node always holds the prompt's blocks after the first token, even one that would
+        // stop the sequence: its KV is being shipped, and the decode node applies the stop rules to
+        // that token itself when it accepts it.
+        if role == Role::Prefill {
             out.finish = Some(FinishReason::PrefillDone);
         }
         let context_full = req.prompt.len() + seq.output.len() >= self.max_model_len;

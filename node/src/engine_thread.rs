@@ -280,7 +280,7 @@ impl Worker {
                 self.live.remove(&id);
             }
             Cmd::Load { reply } => {
-                let _ = reply.send(self.engine.load());
+                let _ = reply.send(self.engine.current_load());
             }
             Cmd::CachedPrefix { prompt, reply } => {
                 let _ = reply.send(self.engine.cached_prefix_len(&prompt));

@@ -111,6 +111,7 @@ pub fn tokenizer_files_to_map(files: &tandem_engine::tokenizer::TokenizerFiles) 
     map.insert("tokenizer.json".to_string(), files.tokenizer_json.clone());
     for (name, content) in [
         ("tokenizer_config.json", &files.tokenizer_config_json),
+        ("chat_template.jinja", &files.chat_template_jinja),
         ("generation_config.json", &files.generation_config_json),
         ("config.json", &files.config_json),
     ] {
@@ -128,6 +129,7 @@ pub fn tokenizer_files_from_map(map: &HashMap<String, String>) -> Result<tandem_
     Ok(tandem_engine::tokenizer::TokenizerFiles {
         tokenizer_json,
         tokenizer_config_json: map.get("tokenizer_config.json").cloned(),
+        chat_template_jinja: map.get("chat_template.jinja").cloned(),
         generation_config_json: map.get("generation_config.json").cloned(),
         config_json: map.get("config.json").cloned(),
     })
