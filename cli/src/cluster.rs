@@ -279,6 +279,7 @@ async fn serve_node(
     membership: &Membership,
     id: String,
     advertise: Option<String>,
+    announce: bool,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let local = listener.local_addr()?;
@@ -299,8 +300,12 @@ async fn serve_node(
         let _ = drained_tx.send(());
     };
     let role_name = if role == NodeRole::Prefill { "prefill" } else { "decode" };
-    println!("tandem {role_name} serving on {grpc_addr}");
-    let _ = std::io::stdout().flush();
+    if announce {
+        println!("tandem {role_name} serving on {grpc_addr}");
+        let _ = std::io::stdout().flush();
+    } else {
+        tracing::info!(role = role_name, addr = %grpc_addr, "embedded node serving");
+    }
     service
         .router()
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
@@ -327,7 +332,7 @@ pub(crate) fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
         let listener = bind(args.node.listen).await?;
         let node = PrefillNode::start(setup, &Fabric::new()).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("prefill", &listener));
-        serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), stop_signal()).await
+        serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), true, stop_signal()).await
     })
 }
 
@@ -339,7 +344,7 @@ pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         let listener = bind(args.node.listen).await?;
         let node = DecodeNode::start(setup, opts, &Fabric::new()).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("decode", &listener));
-        serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), stop_signal()).await
+        serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), true, stop_signal()).await
     })
 }
 
@@ -388,7 +393,7 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
             let id = default_id(role, &listener);
             let membership = membership.clone();
             let stop = stopped(stop_rx.clone());
-            tasks.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, stop).await }));
+            tasks.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, false, stop).await }));
         }
         let nodes = membership.watch().await?;
         // Wait until both nodes registered, so the first request finds them.

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_engine::kv::hash::prefix_block_hashes;
+use tandem_engine::kv::prefix_block_hashes;
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_membership::{NodeInfo, NodeRole};
 use tandem_node::{NodeError, convert, tokenizer_files_from_map};
