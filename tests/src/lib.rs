@@ -1,6 +1,8 @@
 //! Helpers for tandem's end-to-end tests: find the `tandem` binary, run it with a time limit, and
 //! get the real model through `tandem model pull` (idempotent; the first run downloads it).
 
+pub mod etcd;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
