@@ -2,6 +2,7 @@
 //! get the real model through `tandem model pull` (idempotent; the first run downloads it).
 
 pub mod process;
+pub mod etcd;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
