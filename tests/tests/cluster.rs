@@ -3,16 +3,15 @@
 //! the cluster equals a single process's; cancellation, node deaths and an etcd restart leave no hang and
 //! no leaked block; bad input gets typed statuses.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::Engine;
 use tandem_engine::engine::{EngineConfig, Prompt};
 use tandem_engine::sampling::SamplingParams;
-use tandem_membership::{Membership, NodeInfo, NodeRole};
+use tandem_membership::{Membership, NodeInfo};
 use tandem_proto::v1 as api;
 use tandem_proto::v1::tandem_client::TandemClient;
-use tandem_tests::etcd::EtcdServer;
+use tandem_tests::etcd::{DataDir, EtcdServer};
 use tandem_tests::process::Proc;
 use tandem_tests::{run_tandem, smollm2_dir};
 use tokio_stream::StreamExt;
@@ -24,14 +23,17 @@ const PREFIX: &str = "/tandem-test";
 
 struct Cluster {
     etcd: EtcdServer,
-    router: Proc,
+    _router: Proc,
     prefill: Vec<Proc>,
     decode: Vec<Proc>,
     addr: String,
 }
 
 fn node_args<'a>(role: &'a str, etcd: &'a str, model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![role, "--etcd", etcd, "--cluster-prefix", PREFIX, "--ttl", "2", "--model", model, "--kv-cache-mib", "256"];
+    let mut args = vec![role, "--etcd", etcd, "--cluster-prefix", PREFIX, "--ttl", "2", "--model", model];
+    if !extra.contains(&"--kv-cache-mib") {
+        args.extend_from_slice(&["--kv-cache-mib", "256"]);
+    }
     args.extend_from_slice(extra);
     args
 }
@@ -55,7 +57,7 @@ impl Cluster {
         for p in prefill.iter_mut().chain(decode.iter_mut()) {
             p.wait_serving(START);
         }
-        Cluster { etcd, router, prefill, decode, addr }
+        Cluster { etcd, _router: router, prefill, decode, addr }
     }
 
     async fn client(&self) -> TandemClient<Channel> {
@@ -97,7 +99,8 @@ async fn wait_all_blocks_free(nodes: &mut tokio::sync::watch::Receiver<Vec<NodeI
         Duration::from_secs(20),
         nodes.wait_for(|ns| ns.len() == expect_nodes && ns.iter().all(|n| n.load.free_blocks == n.load.total_blocks && n.load.running == 0)),
     )
-    .await;
+    .await
+    .map(|_| ());
     let now: Vec<String> = nodes.borrow().iter().map(|n| format!("{} {:?}", n.id, n.load)).collect();
     assert!(r.is_ok(), "blocks still in use: {now:?}");
 }
@@ -291,12 +294,11 @@ async fn decode_node_killed_gives_a_prompt_error_and_leaves_routing() {
 async fn nodes_come_back_after_an_etcd_restart() {
     let mut cluster = Cluster::start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
-    cluster.etcd.restart(true); // a fresh etcd: every key and lease is gone
+    cluster.etcd.restart(DataDir::Wipe); // a fresh etcd: every key and lease is gone
     cluster.wait_health(1, 1).await;
     let mut client = cluster.client().await;
     let (text, _, _) = collect(&mut client, text_request("The sky is", 6)).await.expect("served after the restart");
     assert!(!text.is_empty());
-    let _ = &mut cluster;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -327,7 +329,6 @@ async fn bad_input_gets_typed_statuses() {
     assert!(!text.is_empty());
     let mut nodes = cluster.membership().await;
     wait_all_blocks_free(&mut nodes, 1).await;
-    let _ = Arc::new(());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,5 +341,4 @@ async fn a_router_without_nodes_is_unavailable() {
     assert_eq!(s.code(), Code::Unavailable);
     let h = client.health(api::HealthRequest {}).await.unwrap().into_inner();
     assert!(!h.serving);
-    let _ = NodeRole::Decode;
 }
