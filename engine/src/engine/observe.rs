@@ -27,11 +27,10 @@ pub struct PrefillReady {
 /// Watches one engine step. Called on the engine's thread, inside the step: keep the callbacks
 /// short (start a transfer, do not wait for one).
 ///
-/// What happens to a completing request after the step: normally it finishes with
-/// [`super::FinishReason::PrefillDone`] and holds its blocks until [`super::Engine::release`].
-/// If the sampled token ends it instead (a stop token or stop string: the output's finish is
-/// [`super::FinishReason::Stop`]), its blocks are freed when the step returns and the next
-/// step may reuse them: stop reading them before then.
+/// What happens to a completing request after the step: it finishes with
+/// [`super::FinishReason::PrefillDone`] and holds its blocks until [`super::Engine::release`],
+/// even when the sampled token would end the sequence (the decode node applies the stop rules
+/// to that token), so a transfer may read the blocks until it is over.
 pub trait StepObserver {
     /// Before the forward pass: Prefill-role requests whose final prompt chunk runs in this step
     /// (their K/V of layer `l` is complete once layer `l` is reported), with their full block
