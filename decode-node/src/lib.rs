@@ -96,7 +96,6 @@ impl DecodeNode {
         let cached = self.core.engine.cached_prefix_len(prompt.clone()).await?;
         let uncached = prompt.len() - cached.min(prompt.len());
         let remote = !req.prefill_addr.is_empty() && uncached >= self.opts.local_prefill_below;
-        let mut first: Option<(api::GenerateResponse, Option<u32>)> = None;
         let mut timings = format!("cached={cached}");
         let events = if remote {
             match self.remote_prefill(req, params.clone(), state).await {
@@ -123,7 +122,6 @@ impl DecodeNode {
                 events
             }
         };
-        let _ = &mut first;
         let mut completion_tokens = 0u32;
         let mut first_token_at = None;
         while let Some(event) = events.recv().await {
@@ -194,7 +192,8 @@ impl DecodeNode {
         let answer = answer?.into_inner();
         let stats = landed?;
         state.recv = None;
-        self.core.engine.kv_ready(id, answer.first_token).await?;
+        let logprob = answer.logprob.as_ref().map(convert::logprob_from_proto);
+        self.core.engine.kv_ready(id, answer.first_token, logprob).await?;
         let note = format!(
             " skipped_blocks={skip} prefill_ms={:.1} transfer_bytes={} transfer_ms={:.1} handoff_ms={:.1}",
             answer.prefill_micros as f64 / 1e3,

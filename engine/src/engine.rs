@@ -372,13 +372,19 @@ impl Engine {
     /// Decode role: the prompt's KV has landed in the allocated blocks and the prefill node
     /// sampled `first_token`; the request starts decoding. Returns the first token's output.
     pub fn kv_ready(&mut self, id: RequestId, first_token: u32) -> Result<Vec<SeqOutput>> {
+        self.kv_ready_with_logprob(id, first_token, None)
+    }
+
+    /// [`Engine::kv_ready`] with the first token's logprobs as the prefill node computed them
+    /// (reported when the request asked for logprobs).
+    pub fn kv_ready_with_logprob(&mut self, id: RequestId, first_token: u32, logprob: Option<TokenLogprob>) -> Result<Vec<SeqOutput>> {
         let Some(req) = self.requests.get_mut(&id) else { return Err(Error::UnknownRequest(id.0)) };
         if req.params.n != 1 {
             return Err(Error::InvalidSampling("remote prefill serves n = 1 only".into()));
         }
         self.sched.kv_ready(id, first_token)?;
         let mut outputs = Vec::new();
-        self.accept_token(SeqId { request: id, index: 0 }, first_token, None, &mut outputs)?;
+        self.accept_token(SeqId { request: id, index: 0 }, first_token, logprob, &mut outputs)?;
         Ok(outputs)
     }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
-use tandem_engine::engine::{FinishReason, SeqOutput};
+use tandem_engine::engine::{FinishReason, SeqOutput, TokenLogprob};
 use tandem_engine::sampling::SamplingParams;
 use tandem_engine::sched::{RemoteAlloc, RequestId};
 use tandem_engine::{Engine, Error as EngineError};
@@ -56,7 +56,7 @@ enum Cmd {
     Validate { prompt: Vec<u32>, params: SamplingParams, reply: Reply<()> },
     Add { prompt: Vec<u32>, params: SamplingParams, plan: Option<TransferPlan>, events: mpsc::UnboundedSender<Event>, reply: Reply<RequestId> },
     AddRemote { prompt: Vec<u32>, params: SamplingParams, events: mpsc::UnboundedSender<Event>, reply: Reply<(RequestId, RemoteAlloc)> },
-    KvReady { id: RequestId, first_token: u32, reply: Reply<()> },
+    KvReady { id: RequestId, first_token: u32, logprob: Option<TokenLogprob>, reply: Reply<()> },
     Abort { id: RequestId },
     Release { id: RequestId },
     Load { reply: oneshot::Sender<EngineLoad> },
@@ -132,9 +132,10 @@ impl EngineThread {
         Ok((id, alloc, rx))
     }
 
-    /// Decode role: the KV landed; start decoding after `first_token`.
-    pub async fn kv_ready(&self, id: RequestId, first_token: u32) -> Result<(), EngineError> {
-        self.ask(|reply| Cmd::KvReady { id, first_token, reply }).await
+    /// Decode role: the KV landed; start decoding after `first_token` (with its logprobs from the
+    /// prefill node, if the request asked for them).
+    pub async fn kv_ready(&self, id: RequestId, first_token: u32, logprob: Option<TokenLogprob>) -> Result<(), EngineError> {
+        self.ask(|reply| Cmd::KvReady { id, first_token, logprob, reply }).await
     }
 
     /// Aborts a request wherever it is and frees its blocks.
@@ -262,7 +263,7 @@ impl Worker {
                 }
                 let _ = reply.send(r);
             }
-            Cmd::KvReady { id, first_token, reply } => match self.engine.kv_ready(id, first_token) {
+            Cmd::KvReady { id, first_token, logprob, reply } => match self.engine.kv_ready_with_logprob(id, first_token, logprob) {
                 Ok(outputs) => {
                     self.dispatch(outputs);
                     let _ = reply.send(Ok(()));

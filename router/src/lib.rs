@@ -237,8 +237,8 @@ impl Router {
         Ok((Routed { request_id, model, prompt, sampling }, decode, prefill, hashes.len()))
     }
 
-    /// Opens the decode stream for a request.
-    async fn open(&self, req: api::GenerateRequest) -> Result<(String, tonic::Streaming<api::GenerateResponse>), NodeError> {
+    /// Opens the decode stream for a request; returns the request id, the decode node's id and the stream.
+    async fn open(&self, req: api::GenerateRequest) -> Result<(String, String, tonic::Streaming<api::GenerateResponse>), NodeError> {
         let (routed, decode, prefill, _) = self.route(req).await?;
         tracing::info!(
             request_id = %routed.request_id,
@@ -256,7 +256,7 @@ impl Router {
             prefill_addr: prefill.map(|p| p.grpc_addr).unwrap_or_default(),
         };
         match client.generate(call).await {
-            Ok(stream) => Ok((routed.request_id, stream.into_inner())),
+            Ok(stream) => Ok((routed.request_id, decode.id, stream.into_inner())),
             Err(s) => {
                 if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled) {
                     self.quarantine(&decode.id);
@@ -273,7 +273,7 @@ impl Tandem for Router {
     type GenerateStream = ReceiverStream<Result<api::GenerateResponse, Status>>;
 
     async fn generate(&self, request: Request<api::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        let (request_id, mut upstream) = self.open(request.into_inner()).await?;
+        let (request_id, decode_id, mut upstream) = self.open(request.into_inner()).await?;
         let (tx, rx) = mpsc::channel(64);
         let router = self.clone();
         tokio::spawn(async move {
@@ -294,7 +294,7 @@ impl Tandem for Router {
                     }
                     Some(Err(s)) => {
                         let s = if matches!(s.code(), Code::Unavailable | Code::Unknown) {
-                            let _ = &router;
+                            router.quarantine(&decode_id);
                             Status::unavailable(format!("the decode node failed mid-request: {}", s.message()))
                         } else {
                             s
@@ -309,7 +309,7 @@ impl Tandem for Router {
     }
 
     async fn generate_unary(&self, request: Request<api::GenerateRequest>) -> Result<Response<api::GenerateUnaryResponse>, Status> {
-        let (request_id, mut upstream) = self.open(request.into_inner()).await?;
+        let (request_id, _, mut upstream) = self.open(request.into_inner()).await?;
         let mut out = api::GenerateUnaryResponse { request_id, ..Default::default() };
         while let Some(item) = upstream.next().await {
             let msg = item?;

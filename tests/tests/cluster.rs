@@ -342,3 +342,60 @@ async fn a_router_without_nodes_is_unavailable() {
     let h = client.health(api::HealthRequest {}).await.unwrap().into_inner();
     assert!(!h.serving);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn logprobs_cover_every_token_including_the_remotely_sampled_first() {
+    let cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let mut client = cluster.client().await;
+    let mut req = text_request("The three primary colors are", 6);
+    req.sampling.as_mut().unwrap().logprobs = Some(3);
+    let mut stream = client.generate(req).await.expect("start").into_inner();
+    let (mut ids, mut lps) = (Vec::new(), Vec::new());
+    while let Some(msg) = stream.next().await {
+        let msg = msg.expect("ok");
+        ids.extend(msg.token_ids);
+        lps.extend(msg.logprobs);
+    }
+    assert_eq!(ids.len(), 6);
+    assert_eq!(lps.len(), ids.len(), "one logprob entry per token");
+    for (id, lp) in ids.iter().zip(&lps) {
+        assert_eq!(lp.token_id, *id);
+        assert_eq!(lp.top.len(), 3);
+        assert!(lp.logprob <= 0.0 && lp.top[0].logprob >= lp.top[2].logprob);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(lp.top[0].token_id, *id);
+    }
+    assert!(cluster.prefill[0].stderr().contains("prefill done"), "the first token was sampled remotely");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn short_uncached_prompts_are_prefilled_on_the_decode_node() {
+    let cluster = Cluster::start(1, 1, &["--local-prefill-below", "1000"]);
+    cluster.wait_health(1, 1).await;
+    let mut client = cluster.client().await;
+    let prompt = "Name a fruit.";
+    let (_, ids, _) = collect(&mut client, text_request(prompt, 6)).await.expect("served");
+    let expected = tokio::task::spawn_blocking(move || reference(&[prompt.to_string()], 6)).await.unwrap();
+    assert_eq!(ids, expected[0]);
+    assert!(!cluster.prefill[0].stderr().contains("prefill done"), "a short prompt went to the prefill node");
+    assert!(cluster.decode[0].stderr().contains("prefill=local"), "{}", cluster.decode[0].stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_drains_a_decode_node() {
+    let mut cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let mut client = cluster.client().await;
+    let mut req = text_request("Describe the sea in detail.", 48);
+    req.sampling.as_mut().unwrap().ignore_eos = true;
+    let call = tokio::spawn(async move { collect(&mut client, req).await });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let decode = &mut cluster.decode[0];
+    let exited_cleanly = tokio::task::block_in_place(|| decode.terminate(Duration::from_secs(30)));
+    let (_, ids, usage) = call.await.unwrap().expect("the in-flight request finishes during the drain");
+    assert_eq!(ids.len(), 48);
+    assert_eq!(usage.completion_tokens, 48);
+    assert!(exited_cleanly, "the decode node did not exit cleanly after SIGTERM");
+    cluster.wait_health(1, 0).await;
+}
