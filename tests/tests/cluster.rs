@@ -49,7 +49,10 @@ impl Cluster {
         let mut prefill: Vec<Proc> = (0..prefills).map(|i| Proc::start(&format!("prefill{i}"), &node_args("prefill", &endpoint, model, &[]))).collect();
         let mut decode: Vec<Proc> = (0..decodes)
             .map(|i| {
-                let mut extra = vec!["--local-prefill-below", "0"];
+                let mut extra = Vec::new();
+                if !decode_extra.contains(&"--local-prefill-below") {
+                    extra.extend_from_slice(&["--local-prefill-below", "0"]);
+                }
                 extra.extend_from_slice(decode_extra);
                 Proc::start(&format!("decode{i}"), &node_args("decode", &endpoint, model, &extra))
             })
