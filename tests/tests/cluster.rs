@@ -26,6 +26,8 @@ struct Cluster {
     _router: Proc,
     prefill: Vec<Proc>,
     decode: Vec<Proc>,
+    /// The decode nodes' gRPC addresses, in `decode` order.
+    decode_addrs: Vec<String>,
     addr: String,
 }
 
@@ -40,11 +42,17 @@ fn node_args<'a>(role: &'a str, etcd: &'a str, model: &'a str, extra: &[&'a str]
 
 impl Cluster {
     fn start(prefills: usize, decodes: usize, decode_extra: &[&str]) -> Cluster {
+        Cluster::start_with(prefills, decodes, decode_extra, &[])
+    }
+
+    fn start_with(prefills: usize, decodes: usize, decode_extra: &[&str], router_extra: &[&str]) -> Cluster {
         let etcd = EtcdServer::start();
         let endpoint = etcd.endpoint();
         let model = smollm2_dir();
         let model = model.to_str().unwrap();
-        let mut router = Proc::start("router", &["router", "--etcd", &endpoint, "--cluster-prefix", PREFIX, "--listen", "127.0.0.1:0"]);
+        let mut router_args = vec!["router", "--etcd", &endpoint, "--cluster-prefix", PREFIX, "--listen", "127.0.0.1:0"];
+        router_args.extend_from_slice(router_extra);
+        let mut router = Proc::start("router", &router_args);
         let addr = router.wait_serving(START);
         let mut prefill: Vec<Proc> = (0..prefills).map(|i| Proc::start(&format!("prefill{i}"), &node_args("prefill", &endpoint, model, &[]))).collect();
         let mut decode: Vec<Proc> = (0..decodes)
@@ -57,10 +65,11 @@ impl Cluster {
                 Proc::start(&format!("decode{i}"), &node_args("decode", &endpoint, model, &extra))
             })
             .collect();
-        for p in prefill.iter_mut().chain(decode.iter_mut()) {
+        for p in prefill.iter_mut() {
             p.wait_serving(START);
         }
-        Cluster { etcd, _router: router, prefill, decode, addr }
+        let decode_addrs = decode.iter_mut().map(|p| p.wait_serving(START)).collect();
+        Cluster { etcd, _router: router, prefill, decode, decode_addrs, addr }
     }
 
     async fn client(&self) -> TandemClient<Channel> {
@@ -401,4 +410,37 @@ async fn sigterm_drains_a_decode_node() {
     assert_eq!(usage.completion_tokens, 48);
     assert!(exited_cleanly, "the decode node did not exit cleanly after SIGTERM");
     cluster.wait_health(1, 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefix_aware_routing_prefers_the_cached_prefix_over_the_idle_node() {
+    let cluster = Cluster::start_with(1, 2, &[], &["--policy", "prefix-aware"]);
+    cluster.wait_health(1, 2).await;
+    let mut nodes = cluster.membership().await;
+    let mut client = cluster.client().await;
+    let document = "You are a careful assistant. Here is a long shared document about ships and harbours. ".repeat(6);
+    let ask = |q: &str, n: u32| text_request(&format!("{document}{q}"), n);
+    let (_, _, first) = collect(&mut client, ask("Who built the first harbour?", 4)).await.expect("served");
+    assert_eq!(first.cached_tokens, 0, "nothing is cached before the first request");
+    let holder = cluster.decode.iter().position(|d| d.stderr().contains("decode done")).expect("one decode node served it");
+    // Make the node holding the document the busy one, and let its load reach the router: least load
+    // would now pick the other node, prefix-aware must still pick the holder.
+    wait_all_blocks_free(&mut nodes, 3).await;
+    let mut busy_client = cluster.client().await;
+    let mut long = ask("Tell an endless story about the sea.", 300);
+    long.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut busy = busy_client.generate(long).await.expect("start").into_inner();
+    busy.next().await.expect("a token").expect("ok");
+    let busy_node = tokio::time::timeout(Duration::from_secs(10), nodes.wait_for(|ns| ns.iter().any(|n| n.load.running > 0)))
+        .await
+        .expect("the busy node's load is published")
+        .expect("watch")
+        .iter()
+        .find(|n| n.load.running > 0)
+        .map(|n| n.grpc_addr.clone())
+        .unwrap();
+    assert_eq!(busy_node, cluster.decode_addrs[holder], "the busy request did not go to the document's holder");
+    let (_, _, second) = collect(&mut client, ask("Name a famous ship.", 4)).await.expect("served");
+    assert!(second.cached_tokens >= 64, "the follow-up missed the cached prefix: {second:?}");
+    drop(busy);
 }
