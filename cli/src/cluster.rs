@@ -263,8 +263,7 @@ impl NodeService {
         }
     }
     fn router(&self) -> tonic::transport::server::Router {
-        let builder = tonic::transport::Server::builder();
-        let mut builder = builder;
+        let mut builder = tonic::transport::Server::builder();
         match self {
             NodeService::Prefill(n) => builder.add_service(n.service()),
             NodeService::Decode(n) => builder.add_service(n.service()),
