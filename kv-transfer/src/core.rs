@@ -31,8 +31,9 @@ use crate::transport::{Delivery, Inbox, Link, Payload, Transport};
 /// Most blocks one chunk covers (so a chunk never needs more than `TANDEM_KV_MAX_IOVS` iovecs).
 pub const MAX_CHUNK_BLOCKS: u32 = 256;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these locks is a bug; the state is still consistent enough to shut down.
+/// Locks a mutex of this crate. A panic while holding one is a bug; the state stays consistent enough to
+/// fail transfers and shut down, so a poisoned lock is taken anyway.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

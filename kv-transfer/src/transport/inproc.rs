@@ -9,13 +9,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+use crate::core::lock;
 use crate::error::{Error, Result};
 use crate::memory::{Iov, MemoryKind};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 #[derive(Default)]
 struct FabricInner {

@@ -14,6 +14,7 @@ use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::core::lock;
 use crate::error::{Error, Result};
 use crate::frame::MAX_HEADER;
 use crate::memory::{Iov, MemoryKind};
@@ -91,10 +92,6 @@ struct Fns {
     send: unsafe extern "C" fn(*mut c_void, u64, *const u8, usize, *const RawIov, usize) -> c_int,
     close_link: unsafe extern "C" fn(*mut c_void, u64),
     last_error: unsafe extern "C" fn() -> *const c_char,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What the host callbacks reach through `ctx`.

@@ -22,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::core::lock;
 use crate::error::{Error, Result};
 use crate::frame::{Frame, PREFIX_LEN};
 use crate::memory::MemoryKind;
@@ -47,10 +48,6 @@ enum Closed {
     Open,
     Local,
     Failed(String),
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The TCP transport; see the module doc.
