@@ -188,9 +188,18 @@ impl DecodeNode {
         let mut call = Request::new(call);
         call.set_timeout(self.opts.remote_prefill_timeout);
         let recv = state.recv.as_mut().expect("set above");
-        let (answer, landed) = tokio::join!(client.prefill(call), recv.wait());
-        let answer = answer?.into_inner();
-        let stats = landed?;
+        // Both must succeed; whichever fails first ends the wait (a dead prefill node must not leave
+        // us waiting for the transfer's deadline).
+        let prefill = client.prefill(call);
+        tokio::pin!(prefill);
+        let (mut answer, mut landed) = (None, None);
+        while answer.is_none() || landed.is_none() {
+            tokio::select! {
+                a = &mut prefill, if answer.is_none() => answer = Some(a?.into_inner()),
+                l = recv.wait(), if landed.is_none() => landed = Some(l?),
+            }
+        }
+        let (answer, stats) = (answer.expect("loop ends with both"), landed.expect("loop ends with both"));
         state.recv = None;
         let logprob = answer.logprob.as_ref().map(convert::logprob_from_proto);
         self.core.engine.kv_ready(id, answer.first_token, logprob).await?;

@@ -264,8 +264,10 @@ async fn prefill_node_killed_mid_request_still_completes() {
     cluster.prefill[0].kill();
     let started = Instant::now();
     let (_, ids, _) = tokio::time::timeout(Duration::from_secs(60), call).await.expect("no hang").unwrap().expect("request completes");
+    let took = started.elapsed();
     assert_eq!(ids, expected.await.unwrap()[0]);
-    assert!(started.elapsed() < Duration::from_secs(60));
+    // The decode node notices the dead prefill node at once (not at the transfer's 30 s deadline).
+    assert!(took < Duration::from_secs(20), "completing took {took:?} after the kill");
     let mut nodes = cluster.membership().await;
     wait_all_blocks_free(&mut nodes, 1).await; // the dead prefill node's lease expired
 }
