@@ -381,6 +381,19 @@ async fn logprobs_cover_every_token_including_the_remotely_sampled_first() {
         assert_eq!(lp.top[0].token_id, *id);
     }
     assert!(cluster.prefill[0].stderr().contains("prefill done"), "the first token was sampled remotely");
+    // The unary form answers the same completion in one message.
+    let (streamed, _, _) = collect(&mut client, text_request("The three primary colors are", 6)).await.expect("stream");
+    let unary = client.generate_unary(text_request("The three primary colors are", 6)).await.expect("unary").into_inner();
+    assert_eq!(unary.text, streamed);
+    assert_eq!(unary.token_ids, ids);
+    assert_eq!(unary.finish_reason, api::FinishReason::Length as i32);
+    assert_eq!(unary.usage.map(|u| u.completion_tokens), Some(6));
+    // ListModels names the served model with its nodes and context limit.
+    let models = client.list_models(api::ListModelsRequest {}).await.expect("list").into_inner().models;
+    assert_eq!(models.len(), 1, "{models:?}");
+    assert_eq!(models[0].id, "smollm2-135m-instruct");
+    assert_eq!((models[0].prefill_nodes, models[0].decode_nodes), (1, 1));
+    assert_eq!(models[0].max_model_len, 8192);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
