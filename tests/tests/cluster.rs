@@ -309,6 +309,13 @@ async fn nodes_come_back_after_an_etcd_restart() {
     let mut cluster = Cluster::start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     cluster.etcd.restart(DataDir::Wipe); // a fresh etcd: every key and lease is gone
+    // The nodes notice and register again in the new etcd...
+    let mut fresh = cluster.membership().await;
+    tokio::time::timeout(Duration::from_secs(30), fresh.wait_for(|ns| ns.len() == 2))
+        .await
+        .expect("both nodes re-register after the restart")
+        .expect("watch");
+    // ...and the router, which re-lists after losing its watch, routes to them.
     cluster.wait_health(1, 1).await;
     let mut client = cluster.client().await;
     let (text, _, _) = collect(&mut client, text_request("The sky is", 6)).await.expect("served after the restart");
