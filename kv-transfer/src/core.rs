@@ -12,7 +12,7 @@
 //!   lives) the blocks.
 //! - Locks are never held across an `.await` or a transport call; replies are sent from spawned tasks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -75,6 +75,26 @@ struct Rx {
     transfers: HashMap<u64, RxTransfer>,
     /// Incoming links whose handshake succeeded.
     links: HashMap<u64, RxLink>,
+    /// Recently ended transfers: late frames for them are dropped quietly (their sender already has,
+    /// or is about to get, the real verdict; an "unexpected chunk" reply racing it would mislead).
+    ended: HashSet<u64>,
+    ended_order: VecDeque<u64>,
+}
+
+/// How many ended transfer ids the receiver remembers.
+const ENDED_MEMORY: usize = 4096;
+
+impl Rx {
+    fn remember_ended(&mut self, id: u64) {
+        if self.ended.insert(id) {
+            self.ended_order.push_back(id);
+        }
+        while self.ended_order.len() > ENDED_MEMORY {
+            if let Some(old) = self.ended_order.pop_front() {
+                self.ended.remove(&old);
+            }
+        }
+    }
 }
 
 struct OutLink {
@@ -233,6 +253,7 @@ impl Core {
             return;
         }
         let mut t = rx.transfers.remove(&id).expect("present");
+        rx.remember_ended(id);
         if let Some(timer) = t.timer.take() {
             timer.abort();
         }
@@ -351,6 +372,9 @@ impl Core {
     }
 
     fn rx_start(&self, rx: &mut Rx, link: &Arc<dyn Link>, id: u64, num_blocks: u32, hash: u64, replies: &mut Replies) {
+        if rx.ended.contains(&id) {
+            return;
+        }
         let Some(t) = rx.transfers.get_mut(&id) else {
             let reason = "no such transfer is expected here (unknown id, or already finished, cancelled or timed out)";
             replies.push((Arc::clone(link), Frame::Abort { id, code: AbortCode::Rejected, reason: reason.into() }, false));
@@ -384,6 +408,9 @@ impl Core {
             return Delivery::CloseLink(format!("chunk payload of {payload_len} bytes exceeds the protocol limit"));
         }
         let id = h.id;
+        if rx.ended.contains(&id) {
+            return Delivery::Discard;
+        }
         let Some(t) = rx.transfers.get_mut(&id) else {
             let reason = "unexpected chunk: no such transfer in flight here";
             replies.push((Arc::clone(link), Frame::Abort { id, code: AbortCode::Rejected, reason: reason.into() }, false));

@@ -79,6 +79,21 @@ impl Proc {
         line.rsplit("serving on ").next().expect("address").trim().to_string()
     }
 
+    /// Whether stderr contains `needle` within `limit` (stderr is read by a thread, so a line the process
+    /// already wrote may take a moment to arrive here).
+    pub fn stderr_shows(&self, needle: &str, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.stderr().contains(needle) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Everything the process wrote to stderr so far.
     pub fn stderr(&self) -> String {
         self.stderr.lock().unwrap_or_else(|p| p.into_inner()).clone()

@@ -20,6 +20,8 @@ use tonic::transport::Channel;
 
 const START: Duration = Duration::from_secs(120);
 const PREFIX: &str = "/tandem-test";
+/// How long a node's log line may take to reach the test after the response did.
+const WAIT_LOG: Duration = Duration::from_secs(5);
 
 struct Cluster {
     etcd: EtcdServer,
@@ -180,10 +182,8 @@ fn cluster_output_equals_generate_through_the_cli() {
         let got = generate_stdout(&client_args);
         assert_eq!(got.trim_end(), expected.trim_end(), "prompt {prompt:?}");
     }
-    let log = cluster.prefill[0].stderr();
-    assert!(log.contains("prefill done") && log.contains("transfer_bytes"), "the prompts were not prefilled remotely:\n{log}");
-    let decode_log = cluster.decode[0].stderr();
-    assert!(decode_log.contains("decode done"), "{decode_log}");
+    assert!(cluster.prefill[0].stderr_shows("transfer_bytes", WAIT_LOG), "not prefilled remotely:\n{}", cluster.prefill[0].stderr());
+    assert!(cluster.decode[0].stderr_shows("decode done", WAIT_LOG), "{}", cluster.decode[0].stderr());
     drop(cluster);
 }
 
@@ -387,7 +387,7 @@ async fn logprobs_cover_every_token_including_the_remotely_sampled_first() {
         // Greedy: the chosen token is the most likely one.
         assert_eq!(lp.top[0].token_id, *id);
     }
-    assert!(cluster.prefill[0].stderr().contains("prefill done"), "the first token was sampled remotely");
+    assert!(cluster.prefill[0].stderr_shows("prefill done", WAIT_LOG), "the first token was sampled remotely");
     // The unary form answers the same completion in one message.
     let (streamed, _, _) = collect(&mut client, text_request("The three primary colors are", 6)).await.expect("stream");
     let unary = client.generate_unary(text_request("The three primary colors are", 6)).await.expect("unary").into_inner();
@@ -412,8 +412,8 @@ async fn short_uncached_prompts_are_prefilled_on_the_decode_node() {
     let (_, ids, _) = collect(&mut client, text_request(prompt, 6)).await.expect("served");
     let expected = tokio::task::spawn_blocking(move || reference(&[prompt.to_string()], 6)).await.unwrap();
     assert_eq!(ids, expected[0]);
+    assert!(cluster.decode[0].stderr_shows("prefill=local", WAIT_LOG), "{}", cluster.decode[0].stderr());
     assert!(!cluster.prefill[0].stderr().contains("prefill done"), "a short prompt went to the prefill node");
-    assert!(cluster.decode[0].stderr().contains("prefill=local"), "{}", cluster.decode[0].stderr());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -444,7 +444,14 @@ async fn prefix_aware_routing_prefers_the_cached_prefix_over_the_idle_node() {
     let ask = |q: &str, n: u32| text_request(&format!("{document}{q}"), n);
     let (_, _, first) = collect(&mut client, ask("Who built the first harbour?", 4)).await.expect("served");
     assert_eq!(first.cached_tokens, 0, "nothing is cached before the first request");
-    let holder = cluster.decode.iter().position(|d| d.stderr().contains("decode done")).expect("one decode node served it");
+    let deadline = Instant::now() + WAIT_LOG;
+    let holder = loop {
+        if let Some(i) = cluster.decode.iter().position(|d| d.stderr().contains("decode done")) {
+            break i;
+        }
+        assert!(Instant::now() < deadline, "no decode node logged the first request");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     // Make the node holding the document the busy one, and let its load reach the router: least load
     // would now pick the other node, prefix-aware must still pick the holder.
     wait_all_blocks_free(&mut nodes, 3).await;
