@@ -14,11 +14,10 @@ use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
-use tandem_engine::engine::{FinishReason, SeqOutput, TokenLogprob};
+use tandem_engine::engine::{EngineLoad, FinishReason, PrefillReady, SeqOutput, StepObserver, TokenLogprob};
 use tandem_engine::sampling::SamplingParams;
 use tandem_engine::sched::{RemoteAlloc, RequestId};
 use tandem_engine::{Engine, Error as EngineError};
-use tandem_engine::engine::{EngineLoad, PrefillReady, StepObserver};
 use tandem_kv_transfer::{Connector, KvMemory, SendHandle, TransferDescriptor};
 use tokio::sync::{mpsc, oneshot};
 

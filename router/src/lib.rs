@@ -189,7 +189,7 @@ impl Router {
         }
     }
 
-    async fn route(&self, req: api::GenerateRequest) -> Result<(Routed, NodeInfo, Option<NodeInfo>, usize), NodeError> {
+    async fn route(&self, req: api::GenerateRequest) -> Result<(Routed, NodeInfo, Option<NodeInfo>), NodeError> {
         let nodes = self.live();
         let model = self.resolve_model(&nodes, &req.model)?;
         let entry = self.model_entry(&model, &nodes).await?;
@@ -234,12 +234,12 @@ impl Router {
         } else {
             req.request_id.clone()
         };
-        Ok((Routed { request_id, model, prompt, sampling }, decode, prefill, hashes.len()))
+        Ok((Routed { request_id, model, prompt, sampling }, decode, prefill))
     }
 
     /// Opens the decode stream for a request; returns the request id, the decode node's id and the stream.
     async fn open(&self, req: api::GenerateRequest) -> Result<(String, String, tonic::Streaming<api::GenerateResponse>), NodeError> {
-        let (routed, decode, prefill, _) = self.route(req).await?;
+        let (routed, decode, prefill) = self.route(req).await?;
         tracing::info!(
             request_id = %routed.request_id,
             model = %routed.model,
