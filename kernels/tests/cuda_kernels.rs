@@ -234,14 +234,14 @@ fn check_write_kv(gpu: &Gpu, layout: PagedLayout, num_blocks: usize, t: usize, s
     if t > 2 {
         slots[t - 1] = (num_blocks * layout.block_size) as i32 + 3;
     }
-    let poison = bf16::from_bits(0x7f81);
+    let poison = NAN_BF16;
     let cache_len = num_blocks * layout.block_elems();
     let mut cache = gpu.upload(&vec![poison; cache_len]).unwrap();
     let (dq, ds) = (gpu.upload(&qkv).unwrap(), gpu.upload(&slots).unwrap());
     cuda::write_kv(gpu, &dq.as_view(), &ds.as_view(), &mut cache.as_view_mut(), &layout, num_blocks, k_col, row_stride).unwrap();
     let got = down(gpu, &cache);
     // Reference: the CPU write_kv token by token (one-entry block tables), in f32.
-    let mut want = vec![f32::from_bits(0x7f81_0000); cache_len];
+    let mut want = vec![NAN_BF16.to_f32(); cache_len];
     for (ti, &slot) in slots.iter().enumerate() {
         if slot < 0 || slot as usize >= num_blocks * layout.block_size {
             continue;
@@ -361,4 +361,474 @@ fn gpu_reports_itself() {
     let mut buf = g.alloc_zeros::<f32>(4).unwrap();
     g.upload_into(&[1.0, 2.0], &mut buf.as_view_mut()).unwrap();
     assert_eq!(down(&g, &buf), vec![1.0, 2.0, 0.0, 0.0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+/// One attention batch: per chunk `(start_pos, len)`; `decode` runs decode_attention (every len
+/// must be 1). `context_slack` is added to the host's max_context bound (empty splits).
+struct AttnCase {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    chunks: Vec<(usize, usize)>,
+    decode: bool,
+    context_slack: usize,
+    /// Replace one in-range block-table entry of the last chunk with -1 (its keys are masked).
+    hole: bool,
+}
+
+/// f64 reference: query at position p attends to positions 0..=p whose block id is in range.
+fn attention_reference(case: &AttnCase, q: &[bf16], stride: usize, cache: &[bf16], tables: &[Vec<i32>], num_blocks: usize) -> Vec<f64> {
+    let (hd, bs, kvh) = (case.head_dim, case.block_size, case.kv_heads);
+    let group = case.heads / kvh;
+    let layout = PagedLayout { block_size: bs, num_kv_heads: kvh, head_dim: hd };
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut out = Vec::new();
+    for (c, &(sp, len)) in case.chunks.iter().enumerate() {
+        let first: usize = case.chunks[..c].iter().map(|x| x.1).sum();
+        for t in 0..len {
+            let p = sp + t;
+            for h in 0..case.heads {
+                let qv: Vec<f64> = (0..hd).map(|d| f64::from(q[(first + t) * stride + h * hd + d].to_f32())).collect();
+                let mut scores = Vec::new();
+                let mut rows = Vec::new();
+                for kp in 0..=p {
+                    let id = tables[c][kp / bs];
+                    if id < 0 || id as usize >= num_blocks {
+                        continue;
+                    }
+                    let ko = layout.k_offset(id as u32, h / group, kp % bs);
+                    let vo = layout.v_offset(id as u32, h / group, kp % bs);
+                    let s: f64 = (0..hd).map(|d| qv[d] * f64::from(cache[ko + d].to_f32())).sum::<f64>() * scale;
+                    scores.push(s);
+                    rows.push(vo);
+                }
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let v: f64 = w.iter().zip(&rows).map(|(w, &vo)| w * f64::from(cache[vo + d].to_f32())).sum();
+                    out.push(if z > 0.0 { v / z } else { 0.0 });
+                }
+            }
+        }
+    }
+    out
+}
+
+fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
+    let mut r = rng(seed);
+    let (hd, bs, kvh, nh) = (case.head_dim, case.block_size, case.kv_heads, case.heads);
+    let stride = (nh + 2 * kvh) * hd; // a qkv row: q heads, then K and V
+    let t_total: usize = case.chunks.iter().map(|c| c.1).sum();
+    let needed: Vec<usize> = case.chunks.iter().map(|&(sp, len)| (sp + len).div_ceil(bs)).collect();
+    let num_blocks = needed.iter().sum::<usize>() + 5;
+    // Scattered, non-contiguous block ids: a shuffled pool.
+    let mut pool: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, r.random_range(0..=i));
+    }
+    let max_blocks = needed.iter().max().copied().unwrap_or(0) + 2;
+    let mut tables: Vec<Vec<i32>> = Vec::new();
+    for (c, &n) in needed.iter().enumerate() {
+        let mut row: Vec<i32> = pool.drain(..n).collect();
+        row.resize(max_blocks, -1);
+        if c == 0 {
+            row[max_blocks - 1] = (num_blocks + 3) as i32; // garbage in the padding: never read
+        }
+        tables.push(row);
+    }
+    if case.hole {
+        let last = tables.len() - 1;
+        let n = needed[last];
+        tables[last][n / 2] = -1;
+    }
+    let layout = PagedLayout { block_size: bs, num_kv_heads: kvh, head_dim: hd };
+    let cache = rand_bf16(&mut r, num_blocks * layout.block_elems(), 1.0);
+    let q = rand_bf16(&mut r, t_total * stride, 2.0);
+    let mut cu_q = vec![0i32];
+    for &(_, len) in &case.chunks {
+        cu_q.push(cu_q.last().unwrap() + len as i32);
+    }
+    let start_pos: Vec<i32> = case.chunks.iter().map(|c| c.0 as i32).collect();
+    let flat_tables: Vec<i32> = tables.concat();
+    let (dq, dc) = (gpu.upload(&q).unwrap(), gpu.upload(&cache).unwrap());
+    let (dcu, dsp, dbt) = (gpu.upload(&cu_q).unwrap(), gpu.upload(&start_pos).unwrap(), gpu.upload(&flat_tables).unwrap());
+    let mut out = poisoned_bf16(gpu, t_total * nh * hd);
+    let (cu_v, sp_v, bt_v) = (dcu.as_view(), dsp.as_view(), dbt.as_view());
+    let meta = cuda::AttnMeta {
+        cu_q: &cu_v,
+        start_pos: &sp_v,
+        block_tables: &bt_v,
+        num_chunks: case.chunks.len(),
+        max_blocks,
+        max_q_len: case.chunks.iter().map(|c| c.1).max().unwrap_or(0),
+        max_context: case.chunks.iter().map(|c| c.0 + c.1).max().unwrap_or(0) + case.context_slack,
+    };
+    let shape = cuda::AttnShape {
+        num_heads: nh,
+        num_kv_heads: kvh,
+        head_dim: hd,
+        block_size: bs,
+        num_blocks,
+        q_row_stride: stride,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    if case.decode {
+        let ws_len = cuda::decode_workspace_len(meta.num_chunks, &shape, meta.max_context);
+        let mut ws = poisoned_f32(gpu, ws_len.max(1));
+        cuda::decode_attention(gpu, &dq.as_view(), &meta, &shape, &dc.as_view(), &mut ws.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    } else {
+        cuda::prefill_attention(gpu, &dq.as_view(), &meta, &shape, &dc.as_view(), &mut out.as_view_mut()).unwrap();
+    }
+    let got = to_f32(&down(gpu, &out));
+    let want = attention_reference(case, &q, stride, &cache, &tables, num_blocks);
+    let what = format!(
+        "{} hd={hd} heads={nh}/{kvh} bs={bs} chunks={:?}",
+        if case.decode { "decode" } else { "prefill" },
+        case.chunks
+    );
+    assert_close(&what, &got, &want, 1e-2);
+    // Without holes the CPU kernel (f32) agrees as well.
+    if !case.hole {
+        let qf: Vec<f32> = q.chunks_exact(stride).flat_map(|row| row[..nh * hd].iter().map(|v| v.to_f32())).collect();
+        let tables_u32: Vec<Vec<u32>> = tables.iter().zip(&needed).map(|(t, &n)| t[..n].iter().map(|&b| b as u32).collect()).collect();
+        let chunks: Vec<cpu::AttentionChunk<'_>> = case
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(c, &(sp, len))| cpu::AttentionChunk { first_token: cu_q[c] as usize, len, start_pos: sp, block_table: &tables_u32[c] })
+            .collect();
+        let mut cpu_out = vec![f32::NAN; t_total * nh * hd];
+        cpu::paged_attention(&qf, &chunks, &to_f32(&cache), &layout, nh, &mut cpu_out);
+        let cpu_want: Vec<f64> = cpu_out.iter().map(|&v| f64::from(v)).collect();
+        assert_close(&format!("{what} vs cpu"), &got, &cpu_want, 1e-2);
+    }
+}
+
+/// Every (head_dim, group, block_size) combination the tests cover.
+fn attention_geometries() -> Vec<(usize, usize, usize, usize)> {
+    let mut v = Vec::new();
+    for hd in [64, 128] {
+        for (heads, kv_heads) in [(2, 2), (6, 2), (16, 2)] {
+            for bs in [16, 32] {
+                v.push((hd, heads, kv_heads, bs));
+            }
+        }
+    }
+    v
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn prefill_attention_matches_reference() {
+    let g = gpu();
+    for (i, (hd, heads, kv_heads, bs)) in attention_geometries().into_iter().enumerate() {
+        // A fresh prompt, a chunk continuing a cached prefix, a one-token chunk, a long chunk.
+        let chunks = vec![(0, 70), (100, 33), (37, 1), (5, 130)];
+        for hole in [false, true] {
+            let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks: chunks.clone(), decode: false, context_slack: 0, hole };
+            check_attention(&g, &case, 100 + i as u64);
+        }
+    }
+    // Group 8 with 8 KV heads, and block sizes at the ends of the range.
+    for bs in [8, 128] {
+        let case = AttnCase { heads: 64, kv_heads: 8, head_dim: 128, block_size: bs, chunks: vec![(0, 40), (200, 25)], decode: false, context_slack: 0, hole: false };
+        check_attention(&g, &case, 7 + bs as u64);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn decode_attention_matches_reference() {
+    let g = gpu();
+    for (i, (hd, heads, kv_heads, bs)) in attention_geometries().into_iter().enumerate() {
+        // Contexts 1, 17, 1000, 5000: one split up to 256 keys, many beyond.
+        let chunks = vec![(0, 1), (16, 1), (999, 1), (4999, 1)];
+        let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks, decode: true, context_slack: 0, hole: false };
+        check_attention(&g, &case, 200 + i as u64);
+        // A single split (max_context <= 256), and a bound far above the real contexts (a graph
+        // captured for a longer context: most splits are empty), with a hole.
+        let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks: vec![(0, 1), (16, 1), (200, 1)], decode: true, context_slack: 0, hole: false };
+        check_attention(&g, &case, 300 + i as u64);
+        let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks: vec![(40, 1), (700, 1)], decode: true, context_slack: 3000, hole: true };
+        check_attention(&g, &case, 400 + i as u64);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn attention_rejects_unsupported_shapes() {
+    let g = gpu();
+    let q = g.alloc_zeros::<bf16>(96 * 4).unwrap();
+    let cache = g.alloc_zeros::<bf16>(2 * 2 * 16 * 96).unwrap();
+    let meta_buf = g.upload(&[0i32, 1]).unwrap();
+    let sp = g.upload(&[0i32]).unwrap();
+    let bt = g.upload(&[0i32]).unwrap();
+    let (cu_v, sp_v, bt_v) = (meta_buf.as_view(), sp.as_view(), bt.as_view());
+    let meta = cuda::AttnMeta { cu_q: &cu_v, start_pos: &sp_v, block_tables: &bt_v, num_chunks: 1, max_blocks: 1, max_q_len: 1, max_context: 1 };
+    let mut out = g.alloc_zeros::<bf16>(96 * 4).unwrap();
+    let base = cuda::AttnShape { num_heads: 4, num_kv_heads: 1, head_dim: 96, block_size: 16, num_blocks: 1, q_row_stride: 384, scale: 0.1 };
+    let bad = [
+        base,
+        cuda::AttnShape { head_dim: 64, num_heads: 3, num_kv_heads: 2, q_row_stride: 256, ..base },
+        cuda::AttnShape { head_dim: 64, num_heads: 34, num_kv_heads: 2, q_row_stride: 34 * 64, ..base },
+        cuda::AttnShape { head_dim: 64, block_size: 12, q_row_stride: 256, ..base },
+        cuda::AttnShape { head_dim: 64, num_blocks: 100, q_row_stride: 256, ..base },
+    ];
+    for shape in bad {
+        let e = cuda::prefill_attention(&g, &q.as_view(), &meta, &shape, &cache.as_view(), &mut out.as_view_mut()).unwrap_err();
+        assert!(matches!(e, GpuError::BadShape(_)), "{shape:?}: {e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling
+
+/// One row to sample: logits, parameters and `(token, output count)` penalty entries.
+struct SampleRow {
+    logits: Vec<f32>,
+    params: cuda::SampleParams,
+    pen: Vec<(i32, i32)>,
+}
+
+/// The f64 reference of the GPU sampler's semantics (module doc of `cuda::sample`), sort-based.
+/// Returns the token, its logprob and the penalised row, or `None` when a filter cut or the draw
+/// lies within 1e-6 (relative) of its target, where f32 weights may legitimately go either way.
+fn sample_reference(row: &SampleRow) -> Option<(u32, f64, Vec<f32>)> {
+    let p = &row.params;
+    let mut l: Vec<f32> = row.logits.iter().map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v.min(f32::MAX) + 0.0 }).collect();
+    for &(t, count) in &row.pen {
+        let Some(v) = l.get_mut(t as usize) else { continue };
+        if p.repetition != 1.0 {
+            *v = if *v > 0.0 { *v / p.repetition } else { *v * p.repetition };
+        }
+        if count > 0 && (p.presence != 0.0 || p.frequency != 0.0) {
+            *v -= p.presence + p.frequency * count as f32;
+        }
+    }
+    let max = l.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let argmax = l.iter().position(|&v| v == max).unwrap_or(0) as u32;
+    if max == f32::NEG_INFINITY {
+        return Some((0, f64::NEG_INFINITY, l));
+    }
+    if p.temperature == 0.0 {
+        let lse = f64::from(max) + l.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).sum::<f64>().ln();
+        return Some((argmax, f64::from(l[argmax as usize]) - lse, l));
+    }
+    let inv = 1.0 / p.temperature;
+    let work: Vec<f32> = l.iter().map(|&v| (v - max) * inv).collect();
+    let w: Vec<f64> = work.iter().map(|&x| f64::from(x).exp()).collect();
+    let lse = w.iter().sum::<f64>().ln();
+    let mut cands: Vec<u32> = (0..l.len() as u32).filter(|&i| work[i as usize] > f32::NEG_INFINITY).collect();
+    cands.sort_by(|&a, &b| work[b as usize].total_cmp(&work[a as usize]).then(a.cmp(&b)));
+    let near = |a: f64, b: f64, scale: f64| (a - b).abs() <= 1e-6 * scale;
+    if p.top_k > 0 && (p.top_k as usize) < l.len() {
+        cands.truncate(p.top_k as usize);
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = cands.iter().map(|&i| w[i as usize]).sum();
+        let target = f64::from(p.top_p) * total;
+        let mut cum = 0.0;
+        let mut keep = 0;
+        for &i in &cands {
+            if near(cum, target, total) {
+                return None;
+            }
+            if cum >= target {
+                break;
+            }
+            cum += w[i as usize];
+            keep += 1;
+        }
+        cands.truncate(keep);
+    }
+    if p.min_p > 0.0 {
+        let thr = f64::from(p.min_p);
+        if cands.iter().any(|&i| near(w[i as usize], thr, 1.0)) {
+            return None;
+        }
+        cands.retain(|&i| w[i as usize] >= thr);
+    }
+    let total: f64 = cands.iter().map(|&i| w[i as usize]).sum();
+    let target = f64::from(p.uniform) * total;
+    let mut cum = 0.0;
+    let mut token = argmax;
+    for &i in &cands {
+        cum += w[i as usize];
+        if near(cum, target, total) {
+            return None;
+        }
+        if target < cum {
+            token = i;
+            break;
+        }
+    }
+    Some((token, f64::from(work[token as usize]) - lse, l))
+}
+
+/// Samples `rows` in one launch and checks each against [`sample_reference`]; a row whose
+/// reference is ambiguous gets a different draw until it is not.
+fn check_sampling(gpu: &Gpu, mut rows: Vec<SampleRow>, what: &str) {
+    let vocab = rows[0].logits.len();
+    for row in &mut rows {
+        let mut tries = 0;
+        while sample_reference(row).is_none() {
+            row.params.uniform = (row.params.uniform + 0.377).fract();
+            row.params.top_p = if row.params.top_p < 1.0 { row.params.top_p * 0.99 } else { 1.0 };
+            row.params.min_p *= 1.01;
+            tries += 1;
+            assert!(tries < 20, "{what}: could not find an unambiguous draw");
+        }
+    }
+    let logits: Vec<f32> = rows.iter().flat_map(|r| r.logits.iter().copied()).collect();
+    let params: Vec<cuda::SampleParams> = rows.iter().map(|r| r.params).collect();
+    let mut offsets = vec![0i32];
+    let (mut toks, mut counts) = (Vec::new(), Vec::new());
+    for r in &rows {
+        for &(t, c) in &r.pen {
+            toks.push(t);
+            counts.push(c);
+        }
+        offsets.push(toks.len() as i32);
+    }
+    // Never empty buffers: a zero-length allocation is not a valid device pointer.
+    toks.push(0);
+    counts.push(0);
+    let mut dl = gpu.upload(&logits).unwrap();
+    let dp = gpu.upload(&params).unwrap();
+    let (doff, dtok, dcnt) = (gpu.upload(&offsets).unwrap(), gpu.upload(&toks).unwrap(), gpu.upload(&counts).unwrap());
+    let mut out_t = gpu.upload(&vec![u32::MAX; rows.len()]).unwrap();
+    let mut out_lp = poisoned_f32(gpu, rows.len());
+    let dtok_view = dtok.slice(0..toks.len() - 1);
+    cuda::sample(gpu, &mut dl.as_view_mut(), vocab, &dp.as_view(), &doff.as_view(), &dtok_view, &dcnt.as_view(), &mut out_t.as_view_mut(), &mut out_lp.as_view_mut()).unwrap();
+    let (got_t, got_lp, got_rows) = (down(gpu, &out_t), down(gpu, &out_lp), down(gpu, &dl));
+    for (i, row) in rows.iter().enumerate() {
+        let (token, logprob, penalised) = sample_reference(row).unwrap();
+        let ctx = format!("{what}, row {i} ({:?}, {} penalties)", row.params, row.pen.len());
+        assert_eq!(got_t[i], token, "{ctx}: token");
+        assert!(!got_lp[i].is_nan(), "{ctx}: NaN logprob");
+        if logprob == f64::NEG_INFINITY {
+            assert_eq!(got_lp[i], f32::NEG_INFINITY, "{ctx}: logprob");
+        } else {
+            assert!((f64::from(got_lp[i]) - logprob).abs() <= 1e-4, "{ctx}: logprob {} vs {logprob}", got_lp[i]);
+        }
+        let got_row = &got_rows[i * vocab..(i + 1) * vocab];
+        for (j, (g, w)) in got_row.iter().zip(&penalised).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{ctx}: penalised logit {j}");
+        }
+    }
+}
+
+fn sample_rows(vocab: usize, seed: u64) -> Vec<SampleRow> {
+    let mut r = rng(seed);
+    let base = cuda::SampleParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition: 1.0, presence: 0.0, frequency: 0.0, uniform: 0.5 };
+    let with = |f: &dyn Fn(&mut cuda::SampleParams)| {
+        let mut p = base;
+        f(&mut p);
+        p
+    };
+    let params = vec![
+        with(&|p| p.temperature = 0.0),
+        with(&|p| p.temperature = 0.7),
+        with(&|p| {
+            p.temperature = 1.3;
+            p.uniform = 0.93;
+        }),
+        with(&|p| p.top_k = 1),
+        with(&|p| {
+            p.top_k = 5;
+            p.uniform = 0.8;
+        }),
+        with(&|p| {
+            p.top_k = 50;
+            p.temperature = 0.8;
+            p.uniform = 0.2;
+        }),
+        with(&|p| p.top_p = 0.9),
+        with(&|p| {
+            p.top_p = 0.5;
+            p.temperature = 0.6;
+            p.uniform = 0.99;
+        }),
+        with(&|p| p.min_p = 0.1),
+        with(&|p| {
+            p.top_k = 40;
+            p.top_p = 0.9;
+            p.min_p = 0.05;
+            p.uniform = 0.3;
+        }),
+        with(&|p| {
+            p.temperature = 0.0;
+            p.repetition = 1.3;
+            p.presence = 0.5;
+            p.frequency = 0.2;
+        }),
+        with(&|p| {
+            p.temperature = 0.9;
+            p.repetition = 1.2;
+            p.presence = 0.4;
+            p.frequency = 0.3;
+            p.top_p = 0.95;
+            p.uniform = 0.61;
+        }),
+        with(&|p| p.uniform = 0.0),
+    ];
+    params
+        .into_iter()
+        .enumerate()
+        .map(|(i, params)| {
+            let mut logits = rand_f32(&mut r, vocab, 8.0);
+            // Sharp rows: a few clear favourites.
+            for _ in 0..4 {
+                let j = r.random_range(0..vocab);
+                logits[j] += 12.0;
+            }
+            if i == 0 {
+                // A tie for the maximum: the lower id wins.
+                let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                logits[vocab - 1] = m;
+                logits[1] = m;
+            }
+            let pen = if params.repetition != 1.0 {
+                // The current favourites, some only in the prompt (count 0), and one id past the vocabulary.
+                let mut order: Vec<usize> = (0..vocab).collect();
+                order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+                let mut pen: Vec<(i32, i32)> = order[..6].iter().enumerate().map(|(k, &t)| (t as i32, (k % 3) as i32)).collect();
+                pen.push((vocab as i32 + 5, 2));
+                pen.push((order[vocab - 1] as i32, 1)); // a negative logit: multiplied
+                pen
+            } else {
+                Vec::new()
+            };
+            SampleRow { logits, params, pen }
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn sampling_matches_reference() {
+    let g = gpu();
+    for (vocab, seed) in [(50, 1), (1000, 2), (32_000, 3), (256_000, 4)] {
+        check_sampling(&g, sample_rows(vocab, seed), &format!("vocab {vocab}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn sampling_sanitises_nan_and_inf() {
+    let g = gpu();
+    let greedy = cuda::SampleParams { temperature: 0.0, top_p: 1.0, repetition: 1.0, ..Default::default() };
+    let hot = cuda::SampleParams { temperature: 1.0, top_p: 1.0, repetition: 1.0, uniform: 0.7, ..Default::default() };
+    let rows = vec![
+        SampleRow { logits: vec![f32::NAN, 1.0, f32::INFINITY, 2.0, f32::NEG_INFINITY], params: greedy, pen: vec![] },
+        SampleRow { logits: vec![f32::NAN, 1.0, -0.0, 2.0, f32::NEG_INFINITY], params: hot, pen: vec![] },
+        SampleRow { logits: vec![f32::NAN; 5], params: greedy, pen: vec![] },
+        SampleRow { logits: vec![f32::NEG_INFINITY; 5], params: hot, pen: vec![] },
+    ];
+    check_sampling(&g, rows, "nan/inf");
 }

@@ -22,6 +22,14 @@ pub(crate) const SOURCE: &str = concat!(
     include_str!("../../cuda/common.cuh"),
     "\n",
     include_str!("../../cuda/elementwise.cu"),
+    "\n",
+    include_str!("../../cuda/attention_common.cuh"),
+    "\n",
+    include_str!("../../cuda/attention_prefill.cu"),
+    "\n",
+    include_str!("../../cuda/attention_decode.cu"),
+    "\n",
+    include_str!("../../cuda/sampling.cu"),
 );
 
 /// Options for every compilation besides the architecture. No fast math: `expf`, `sincosf` and

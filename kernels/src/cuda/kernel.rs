@@ -18,7 +18,13 @@ macro_rules! kernels {
 
             /// Whether the kernel opts in to [`MAX_DYNAMIC_SMEM`] bytes of dynamic shared memory.
             pub(crate) fn needs_large_smem(self) -> bool {
-                false
+                matches!(
+                    self,
+                    Kernel::PrefillAttentionHd64
+                        | Kernel::PrefillAttentionHd128
+                        | Kernel::DecodeAttentionHd64
+                        | Kernel::DecodeAttentionHd128
+                )
             }
 
             /// The function's name in the CUDA source.
@@ -35,6 +41,12 @@ kernels! {
     Rope => "rope",
     SiluMul => "silu_mul",
     WriteKv => "write_kv",
+    PrefillAttentionHd64 => "prefill_attention_hd64",
+    PrefillAttentionHd128 => "prefill_attention_hd128",
+    DecodeAttentionHd64 => "decode_attention_hd64",
+    DecodeAttentionHd128 => "decode_attention_hd128",
+    DecodeReduce => "decode_reduce",
+    Sample => "sample",
 }
 
 /// Dynamic shared memory the attention kernels may use (they opt in above the 48 KiB default).

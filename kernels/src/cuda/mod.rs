@@ -4,10 +4,11 @@
 //! architecture and cached on disk ([`cache_dir`]); nothing CUDA is needed to build this crate, and
 //! the CUDA libraries are loaded when [`Gpu::new`] runs (a missing one is
 //! [`GpuError::NoLibrary`]). [`Gpu`] owns the context, one non-default stream, a cuBLAS handle
-//! and the kernel table; the launchers ([`embedding`], [`rms_norm`], [`rope`], [`write_kv`],
-//! [`silu_mul`], [`gemm`]) take device views and shapes, check that the shapes fit together
-//! ([`GpuError::BadShape`] otherwise, never a panic), and enqueue on [`Gpu::stream`] without
-//! synchronising, so a whole forward pass can be captured as a CUDA graph.
+//! and the kernel table. The launchers ([`embedding`], [`rms_norm`], [`rope`], [`write_kv`],
+//! [`prefill_attention`], [`decode_attention`], [`silu_mul`], [`gemm`], [`sample`]) take device
+//! views and shapes, check that the shapes fit together ([`GpuError::BadShape`] otherwise, never
+//! a panic), and enqueue on [`Gpu::stream`] without synchronising, so a whole forward pass can be
+//! captured as a CUDA graph.
 //!
 //! Data conventions: row-major; activations of the residual stream are f32, GEMM inputs and
 //! weights bf16 (weights in the HF `[out, in]` layout); the paged KV cache is one bf16 buffer per
@@ -18,6 +19,7 @@
 //! slots) are validated by the kernels, so no launch reads or writes outside the buffers its
 //! launcher checked.
 
+mod attention;
 mod checks;
 mod compile;
 mod elementwise;
@@ -25,7 +27,9 @@ mod error;
 mod gemm;
 mod gpu;
 mod kernel;
+mod sampling;
 
+pub use attention::{AttnMeta, AttnShape, decode_attention, decode_workspace_len, prefill_attention};
 pub use compile::{cache_dir, compile, compile_source, nvrtc_version};
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 pub use elementwise::{embedding, rms_norm, rope, silu_mul, write_kv};
@@ -33,3 +37,4 @@ pub use error::{GpuError, Result};
 pub use gemm::{GemmOut, gemm};
 pub use gpu::Gpu;
 pub use half::bf16;
+pub use sampling::{SampleParams, sample};
