@@ -10,11 +10,14 @@
 // a radix select over the key, 8 bits per pass: a pass histograms (count, f64 mass) of the
 // candidates matching the prefix chosen so far, warp 0 scans the 256 buckets best-first and picks
 // the one where the cumulative quantity crosses the target, and the next pass refines inside it.
-// A pass ends early once the chosen bucket holds one candidate. The survivors of each filter are
-// always a best-first prefix (top-k/top-p by construction; min-p because w is monotone in the key),
-// so the state between filters is one key threshold plus min-p's weight threshold.
-// Histogram updates are run-length merged per thread before the shared atomics, which keeps the
-// first passes (where most keys share their top byte) from serialising on one bucket.
+// Once the chosen bucket holds at most 1024 candidates they are gathered into shared memory,
+// sorted (bitonic) and scanned there, so a select takes a few passes over the row, not eight.
+// The survivors of each filter are always a best-first prefix (top-k/top-p by construction; min-p
+// because w is monotone in the key), so the state between filters is one key threshold plus
+// min-p's weight threshold.
+// Each warp histograms into its own copy (dynamic shared memory), so the first passes, where most
+// keys share their top byte, do not serialise the whole CTA on one bucket; masses are fixed-point
+// integers, so the sums are exact, order-independent and use native atomics.
 
 #define SMP_THREADS 1024
 
@@ -70,28 +73,66 @@ struct WorkMap {
     }
 };
 
+#define SMALL_BUCKET SMP_THREADS  // a bucket this small is finished by sorting it in shared memory
+
 struct SelectShared {
     u32 count[256];
     double mass[256];
+    u64 keys[SMALL_BUCKET];   // the small bucket's candidates, sorted best first
+    float ws[SMALL_BUCKET];   // and their weights
+    double wsum[32];          // per-warp totals of the scan
     u64 prefix;
-    double above;
+    double above;             // quantity of the candidates better than the current bucket
     double target;
-    int shift;
-    int digit;
-    u32 digit_count;
-    int status;  // 0 = continue, 1 = done (prefix is the key), 2 = need the find pass, 3 = none
+    int shift;                // bits of the key below the chosen prefix
+    int status;               // 0 = next pass, 1 = prefix is the key, 2 = find the one candidate, 3 = none, 4 = sort the bucket
+    int n;                    // candidates gathered
+    int first, last;
     u64 key;
 };
+
+// The warps' private histograms in dynamic shared memory: [32 warps][256] counts, then
+// [32 warps][256] masses (fixed point: weight * 2^mass_bits). 96 KiB.
+struct WarpHist {
+    u32* count;
+    u64* mass;
+};
+
+// Bits of fraction for masses: weights are <= 1 (the best has work 0, weight 1), so a row's total
+// stays below 2^62 with `62 - ceil(log2(vocab))` bits (44 for 256k entries; capped at 52).
+// Rounding costs < 2^-mass_bits per weight: a relative error < 1e-8 of a row's total, and a weight
+// below 2^-mass_bits counts as 0 for the mass (it could be drawn with probability < 1e-13).
+__device__ __forceinline__ int mass_bits_for(int vocab) {
+    int lg = 0;
+    while ((1 << lg) < vocab && lg < 31) lg++;
+    return min(52, 62 - lg);
+}
+
+__device__ __forceinline__ u64 fixed_mass(float w, int bits) {
+    return (u64)__double2ull_rn((double)w * (double)(1ULL << bits));
+}
+
+// The candidate at `i` (vocab order) as (key, weight), or false if it is not one.
+__device__ __forceinline__ bool candidate(const float* __restrict__ row, int i, const WorkMap& wm, u64 lo_key,
+                                          float wthr, u64* key, float* w) {
+    const float work = wm(row[i]);
+    if (!(work > T_NEG_INF)) return false;
+    *key = rank_key(work, i);
+    if (*key < lo_key) return false;
+    *w = exp_cpu(work);
+    return *w >= wthr;
+}
 
 // Finds the first candidate, best first, whose cumulative quantity (1 per candidate, or its
 // weight) reaches `target` (`strict`: exceeds it). Candidates: work > -inf, key >= lo_key, w >=
 // wthr. With `frac`, the target is `target * (total quantity of the candidates)`. If no candidate
 // crosses, `fallback_last` picks the last candidate with positive quantity; otherwise returns
-// false.
+// false. Radix passes narrow the key prefix 8 bits at a time until the bucket holds at most
+// SMALL_BUCKET candidates, which are then gathered, sorted and scanned in shared memory.
 __device__ bool radix_select(const float* __restrict__ row, int vocab, const WorkMap& wm, u64 lo_key, float wthr,
                              bool by_mass, double target, bool frac, bool strict, bool fallback_last, u64* key_out,
-                             SelectShared& S) {
-    const int tid = threadIdx.x, lane = tid & 31;
+                             SelectShared& S, WarpHist H, int mass_bits) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     __syncthreads();  // every thread is done with S from the previous call
     if (tid == 0) {
         S.prefix = 0;
@@ -99,40 +140,36 @@ __device__ bool radix_select(const float* __restrict__ row, int vocab, const Wor
         S.shift = 64;
     }
     for (int pass = 0;; pass++) {
-        for (int i = tid; i < 256; i += SMP_THREADS) {
-            S.count[i] = 0;
-            S.mass[i] = 0.0;
+        for (int i = tid; i < 32 * 256; i += SMP_THREADS) {
+            H.count[i] = 0;
+            H.mass[i] = 0;
         }
         __syncthreads();
         const u64 prefix = S.prefix;
         const int shift = S.shift;
-        int cur = -1;
-        u32 cnt = 0;
-        double m = 0.0;
+        // Histogram of the next 8 bits into this warp's private copy: conflicting atomics stay
+        // within a warp, and integer (fixed-point) mass makes every sum exact and deterministic.
+        u32* my_count = H.count + warp * 256;
+        u64* my_mass = H.mass + warp * 256;
         for (int i = tid; i < vocab; i += SMP_THREADS) {
-            const float work = wm(row[i]);
-            if (!(work > T_NEG_INF)) continue;
-            const u64 key = rank_key(work, i);
-            if (key < lo_key) continue;
-            const float w = exp_cpu(work);
-            if (w < wthr) continue;
-            if (shift < 64 && (key >> shift) != (prefix >> shift)) continue;
-            const int d = (int)((key >> (shift - 8)) & 255);
-            if (d != cur) {
-                if (cnt) {
-                    atomicAdd(&S.count[cur], cnt);
-                    atomicAdd(&S.mass[cur], m);
-                }
-                cur = d;
-                cnt = 0;
-                m = 0.0;
+            u64 key;
+            float w;
+            if (candidate(row, i, wm, lo_key, wthr, &key, &w) && (shift == 64 || (key >> shift) == (prefix >> shift))) {
+                const int d = (int)((key >> (shift - 8)) & 255);
+                atomicAdd(&my_count[d], 1u);
+                atomicAdd(&my_mass[d], fixed_mass(w, mass_bits));
             }
-            cnt++;
-            m += (double)w;
         }
-        if (cnt) {
-            atomicAdd(&S.count[cur], cnt);
-            atomicAdd(&S.mass[cur], m);
+        __syncthreads();
+        for (int d = tid; d < 256; d += SMP_THREADS) {
+            u32 c = 0;
+            u64 m = 0;
+            for (int wp = 0; wp < SMP_THREADS / 32; wp++) {
+                c += H.count[wp * 256 + d];
+                m += H.mass[wp * 256 + d];
+            }
+            S.count[d] = c;
+            S.mass[d] = (double)m;
         }
         __syncthreads();
         if (tid < 32) {
@@ -153,8 +190,8 @@ __device__ bool radix_select(const float* __restrict__ row, int vocab, const Wor
                 const double v = __shfl_up_sync(0xffffffffu, incl, o);
                 if (lane >= o) incl += v;
             }
-            const double total_here = __shfl_sync(0xffffffffu, incl, 31);
             if (pass == 0) {
+                const double total_here = __shfl_sync(0xffffffffu, incl, 31);
                 if (lane == 0) S.target = frac ? target * total_here : target;
                 __syncwarp();
             }
@@ -185,7 +222,7 @@ __device__ bool radix_select(const float* __restrict__ row, int vocab, const Wor
                 double r2 = S.above + (incl - lane_sum);
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    if (q[j] > 0.0 || (c8[j] > 0 && !by_mass)) {
+                    if (q[j] > 0.0) {
                         last = j;
                         last_above = r2;
                     }
@@ -193,10 +230,15 @@ __device__ bool radix_select(const float* __restrict__ row, int vocab, const Wor
                 }
                 u32 b2 = __ballot_sync(0xffffffffu, last >= 0);
                 if (!b2) {
-                    // No positive mass anywhere: any non-empty bucket.
+                    r2 = S.above + (incl - lane_sum);
 #pragma unroll
-                    for (int j = 0; j < 8; j++)
-                        if (c8[j] > 0) last = j;
+                    for (int j = 0; j < 8; j++) {
+                        if (c8[j] > 0) {
+                            last = j;
+                            last_above = r2;
+                        }
+                        r2 += q[j];
+                    }
                     b2 = __ballot_sync(0xffffffffu, last >= 0);
                 }
                 if (b2) {
@@ -210,12 +252,14 @@ __device__ bool radix_select(const float* __restrict__ row, int vocab, const Wor
                     S.status = 3;
                 } else {
                     const int d = 255 - (chosen_lane * 8 + chosen_j);
-                    S.digit = d;
-                    S.digit_count = S.count[d];
+                    const u32 cnt = S.count[d];
                     S.above = cross_above;
                     S.prefix = prefix | ((u64)d << (shift - 8));
                     S.shift = shift - 8;
-                    S.status = (shift - 8 == 0) ? 1 : (S.count[d] == 1 ? 2 : 0);
+                    S.status = shift - 8 == 0 ? 1 : cnt == 1 ? 2 : cnt <= SMALL_BUCKET ? 4 : 0;
+                    S.n = 0;
+                    S.first = 0x7fffffff;
+                    S.last = -1;
                 }
             }
         }
@@ -223,22 +267,86 @@ __device__ bool radix_select(const float* __restrict__ row, int vocab, const Wor
         const int status = S.status;
         if (status == 3) return false;
         if (status == 1) {
-            *key_out = S.prefix;
+            const u64 k = S.prefix;
+            __syncthreads();
+            *key_out = k;
             return true;
         }
-        if (status == 2) {
-            // One candidate left under the prefix: find it.
+        if (status == 2 || status == 4) {
+            // Gather the bucket's candidates.
             const u64 pre = S.prefix;
             const int sh = S.shift;
             for (int i = tid; i < vocab; i += SMP_THREADS) {
-                const float work = wm(row[i]);
-                if (!(work > T_NEG_INF)) continue;
-                const u64 key = rank_key(work, i);
-                if (key < lo_key || exp_cpu(work) < wthr) continue;
-                if ((key >> sh) == (pre >> sh)) S.key = key;
+                u64 key;
+                float w;
+                if (candidate(row, i, wm, lo_key, wthr, &key, &w) && (key >> sh) == (pre >> sh)) {
+                    const int slot = atomicAdd(&S.n, 1);
+                    if (slot < SMALL_BUCKET) {
+                        S.keys[slot] = key;
+                        S.ws[slot] = w;
+                    }
+                }
             }
             __syncthreads();
-            *key_out = S.key;
+            const int n = min(S.n, SMALL_BUCKET);
+            if (status == 2 || n <= 1) {
+                const u64 k = S.keys[0];
+                __syncthreads();
+                *key_out = k;
+                return true;
+            }
+            // Bitonic sort, descending (padding keys 0 sink to the end).
+            if (tid >= n) {
+                S.keys[tid] = 0;
+                S.ws[tid] = 0.0f;
+            }
+            __syncthreads();
+            for (int k = 2; k <= SMALL_BUCKET; k <<= 1) {
+                for (int j = k >> 1; j > 0; j >>= 1) {
+                    const int ixj = tid ^ j;
+                    if (ixj > tid) {
+                        const u64 a = S.keys[tid], b = S.keys[ixj];
+                        const bool desc = (tid & k) == 0;
+                        if (desc ? a < b : a > b) {
+                            S.keys[tid] = b;
+                            S.keys[ixj] = a;
+                            const float t = S.ws[tid];
+                            S.ws[tid] = S.ws[ixj];
+                            S.ws[ixj] = t;
+                        }
+                    }
+                    __syncthreads();
+                }
+            }
+            // Inclusive scan of the quantities, best first.
+            const double qv = tid < n ? (by_mass ? (double)fixed_mass(S.ws[tid], mass_bits) : 1.0) : 0.0;
+            double incl = qv;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const double v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            if (lane == 31) S.wsum[warp] = incl;
+            __syncthreads();
+            if (warp == 0) {
+                double t = S.wsum[lane];
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const double v = __shfl_up_sync(0xffffffffu, t, o);
+                    if (lane >= o) t += v;
+                }
+                S.wsum[lane] = t;
+            }
+            __syncthreads();
+            const double cum = S.above + incl + (warp > 0 ? S.wsum[warp - 1] : 0.0);
+            const double tgt = S.target;
+            if (tid < n && qv > 0.0 && (strict ? cum > tgt : cum >= tgt)) atomicMin(&S.first, tid);
+            if (tid < n && qv > 0.0) atomicMax(&S.last, tid);
+            __syncthreads();
+            const int pick = S.first != 0x7fffffff ? S.first : (S.last >= 0 ? S.last : n - 1);
+            const u64 k = S.keys[pick];
+            __syncthreads();
+            *key_out = k;
             return true;
         }
         __syncthreads();  // everyone has read S before the next pass clears it
@@ -251,6 +359,11 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
            const int* __restrict__ pen_counts, int pen_len, u32* __restrict__ out_tokens,
            float* __restrict__ out_logprobs) {
     __shared__ SelectShared S;
+    extern __shared__ __align__(16) unsigned char sample_smem[];
+    WarpHist H;
+    H.mass = reinterpret_cast<u64*>(sample_smem);
+    H.count = reinterpret_cast<u32*>(sample_smem + 32 * 256 * sizeof(u64));
+    const int mass_bits = mass_bits_for(vocab);
     __shared__ float red_v[32];
     __shared__ int red_i[32];
     __shared__ double red_d[32];
@@ -351,14 +464,14 @@ extern "C" __global__ void __launch_bounds__(SMP_THREADS)
         const bool k_active = sp.top_k > 0 && sp.top_k < vocab;
         u64 lo_key = 0;
         u64 key;
-        if (k_active && radix_select(row, vocab, wm, 0, 0.0f, false, (double)sp.top_k, false, false, false, &key, S))
+        if (k_active && radix_select(row, vocab, wm, 0, 0.0f, false, (double)sp.top_k, false, false, false, &key, S, H, mass_bits))
             lo_key = key;
         if (sp.top_p < 1.0f &&
-            radix_select(row, vocab, wm, lo_key, 0.0f, true, (double)sp.top_p, true, false, false, &key, S))
+            radix_select(row, vocab, wm, lo_key, 0.0f, true, (double)sp.top_p, true, false, false, &key, S, H, mass_bits))
             lo_key = key;
         // min-p: the best candidate's weight is exp(0) = 1, so the threshold is min_p itself.
         const float wthr = sp.min_p > 0.0f ? sp.min_p * 1.0f : 0.0f;
-        if (radix_select(row, vocab, wm, lo_key, wthr, true, (double)sp.uniform, true, true, true, &key, S))
+        if (radix_select(row, vocab, wm, lo_key, wthr, true, (double)sp.uniform, true, true, true, &key, S, H, mass_bits))
             token = (int)(0xffffffffu - (u32)(key & 0xffffffffu));
     }
     if (tid == 0) {

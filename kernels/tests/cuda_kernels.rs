@@ -816,6 +816,26 @@ fn sampling_matches_reference() {
     for (vocab, seed) in [(50, 1), (1000, 2), (32_000, 3), (256_000, 4)] {
         check_sampling(&g, sample_rows(vocab, seed), &format!("vocab {vocab}"));
     }
+    // Many exact ties (quantised logits): selection must fall through to the id bits.
+    let mut rows = sample_rows(20_000, 5);
+    for row in &mut rows {
+        for v in &mut row.logits {
+            *v = (*v * 4.0).round() / 4.0;
+        }
+    }
+    check_sampling(&g, rows, "quantised");
+    // Flat rows with large survivor sets: top-k and top-p cuts far past 1024 candidates.
+    let mut rows = sample_rows(100_000, 6);
+    for (i, row) in rows.iter_mut().enumerate() {
+        for v in &mut row.logits {
+            *v = v.clamp(-8.0, 8.0) * 0.1;
+        }
+        row.params.temperature = 1.0;
+        row.params.top_k = [5000, 0, 20_000, 3000][i % 4];
+        row.params.top_p = [1.0, 0.999, 0.7, 0.95][i % 4];
+        row.params.min_p = [0.0, 0.0, 0.0, 0.3][i % 4];
+    }
+    check_sampling(&g, rows, "flat");
 }
 
 #[test]

@@ -24,6 +24,7 @@ macro_rules! kernels {
                         | Kernel::PrefillAttentionHd128
                         | Kernel::DecodeAttentionHd64
                         | Kernel::DecodeAttentionHd128
+                        | Kernel::Sample
                 )
             }
 
@@ -49,7 +50,8 @@ kernels! {
     Sample => "sample",
 }
 
-/// Dynamic shared memory the attention kernels may use (they opt in above the 48 KiB default).
+/// Dynamic shared memory the attention and sampling kernels may use (they opt in above the
+/// 48 KiB default; static shared memory comes on top).
 pub(crate) const MAX_DYNAMIC_SMEM: usize = 96 * 1024;
 
 /// The loaded functions, indexed by [`Kernel`].

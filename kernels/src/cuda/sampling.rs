@@ -18,7 +18,11 @@ use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernel
 
 use super::error::{Result, check, need_len, to_i32};
 use super::gpu::Gpu;
-use super::kernel::Kernel;
+use super::kernel::{Kernel, MAX_DYNAMIC_SMEM};
+
+/// Dynamic shared memory of the kernel: 32 warps' private histograms of 256 (u64 mass, u32 count).
+const SAMPLE_SMEM: usize = 32 * 256 * (8 + 4);
+const _: () = assert!(SAMPLE_SMEM <= MAX_DYNAMIC_SMEM);
 
 /// Per-row sampling parameters, as the kernel reads them (mirrors `SampleParams` in sampling.cu).
 #[repr(C)]
@@ -75,7 +79,7 @@ pub fn sample(
         return Ok(());
     }
     check(rows <= i32::MAX as usize, || format!("{rows} rows exceed the grid"))?;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: SAMPLE_SMEM as u32 };
     let mut launch = gpu.stream().launch_builder(gpu.func(Kernel::Sample));
     launch
         .arg(logits)
@@ -87,7 +91,8 @@ pub fn sample(
         .arg(&pen_len)
         .arg(out_tokens)
         .arg(out_logprobs);
-    // SAFETY: argument types match `sample` in sampling.cu; logits hold rows*vocab, params,
+    // SAFETY: argument types match `sample` in sampling.cu (with SAMPLE_SMEM bytes of dynamic
+    // shared memory, within what the function opted in to); logits hold rows*vocab, params,
     // out_tokens and out_logprobs rows, pen_offsets rows+1 elements; the kernel clamps the offsets
     // to pen_len (the length of pen_tokens and at most that of pen_counts) and skips ids outside
     // the vocabulary.
