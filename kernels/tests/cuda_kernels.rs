@@ -39,7 +39,10 @@ fn rand_f32(r: &mut SmallRng, n: usize, scale: f32) -> Vec<f32> {
 }
 
 fn rand_bf16(r: &mut SmallRng, n: usize, scale: f32) -> Vec<bf16> {
-    rand_f32(r, n, scale).into_iter().map(bf16::from_f32).collect()
+    rand_f32(r, n, scale)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
 }
 
 fn to_f32(v: &[bf16]) -> Vec<f32> {
@@ -97,8 +100,16 @@ fn check_embedding(gpu: &Gpu, vocab: usize, h: usize, t: usize, seed: u64) {
     let got = down(gpu, &out);
     for (ti, &id) in ids.iter().enumerate() {
         for c in 0..h {
-            let want = if (id as usize) < vocab { table[id as usize * h + c].to_f32() } else { 0.0 };
-            assert_eq!(got[ti * h + c].to_bits(), want.to_bits(), "vocab={vocab} h={h} token {ti} col {c}");
+            let want = if (id as usize) < vocab {
+                table[id as usize * h + c].to_f32()
+            } else {
+                0.0
+            };
+            assert_eq!(
+                got[ti * h + c].to_bits(),
+                want.to_bits(),
+                "vocab={vocab} h={h} token {ti} col {c}"
+            );
         }
     }
 }
@@ -123,16 +134,33 @@ fn check_rms_norm(gpu: &Gpu, t: usize, h: usize, with_delta: bool, seed: u64) {
     let dw = gpu.upload(&w).unwrap();
     let mut out = poisoned_bf16(gpu, t * h);
     let dview = dd.as_view();
-    cuda::rms_norm(gpu, &mut dx.as_view_mut(), with_delta.then_some(&dview), &dw.as_view(), eps, &mut out.as_view_mut()).unwrap();
-    let summed: Vec<f32> = if with_delta { x.iter().zip(&delta).map(|(a, b)| a + b).collect() } else { x.clone() };
-    assert_eq!(down(gpu, &dx), summed, "x must hold x + delta (or be unchanged)");
+    cuda::rms_norm(
+        gpu,
+        &mut dx.as_view_mut(),
+        with_delta.then_some(&dview),
+        &dw.as_view(),
+        eps,
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
+    let summed: Vec<f32> = if with_delta {
+        x.iter().zip(&delta).map(|(a, b)| a + b).collect()
+    } else {
+        x.clone()
+    };
+    assert_eq!(
+        down(gpu, &dx),
+        summed,
+        "x must hold x + delta (or be unchanged)"
+    );
     let mut want = vec![0.0f64; t * h];
     for row in 0..t {
         let xs = &summed[row * h..(row + 1) * h];
         let ms = xs.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / h as f64;
         let inv = 1.0 / (ms + f64::from(eps)).sqrt();
         for c in 0..h {
-            want[row * h + c] = bf16_round(bf16_round(f64::from(xs[c]) * inv) * f64::from(w[c].to_f32()));
+            want[row * h + c] =
+                bf16_round(bf16_round(f64::from(xs[c]) * inv) * f64::from(w[c].to_f32()));
         }
     }
     // The CPU kernel (f32, no bf16 rounding) must agree too, within bf16 precision.
@@ -141,14 +169,25 @@ fn check_rms_norm(gpu: &Gpu, t: usize, h: usize, with_delta: bool, seed: u64) {
     let got = to_f32(&down(gpu, &out));
     assert_close(&format!("rms_norm t={t} h={h}"), &got, &want, 1e-2);
     let cpu_want: Vec<f64> = cpu_out.iter().map(|&v| f64::from(v)).collect();
-    assert_close(&format!("rms_norm vs cpu t={t} h={h}"), &got, &cpu_want, 1e-2);
+    assert_close(
+        &format!("rms_norm vs cpu t={t} h={h}"),
+        &got,
+        &cpu_want,
+        1e-2,
+    );
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
 fn rms_norm_matches_hf_rounding() {
     let g = gpu();
-    for (t, h, delta) in [(7, 4096, true), (3, 4096, false), (5, 1000, true), (4, 1001, true), (1, 8192, false)] {
+    for (t, h, delta) in [
+        (7, 4096, true),
+        (3, 4096, false),
+        (5, 1000, true),
+        (4, 1001, true),
+        (1, 8192, false),
+    ] {
         check_rms_norm(&g, t, h, delta, (t * h) as u64);
     }
 }
@@ -158,7 +197,15 @@ fn check_rope(gpu: &Gpu, t: usize, q_heads: usize, kv_heads: usize, head_dim: us
     let row_stride = (q_heads + 2 * kv_heads) * head_dim;
     let rotated = q_heads + kv_heads;
     let qkv = rand_bf16(&mut r, t * row_stride, 2.0);
-    let positions: Vec<i32> = (0..t).map(|i| if i == 0 { 0 } else { r.random_range(1..100_000) }).collect();
+    let positions: Vec<i32> = (0..t)
+        .map(|i| {
+            if i == 0 {
+                0
+            } else {
+                r.random_range(1..100_000)
+            }
+        })
+        .collect();
     let scaling = cpu::RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,
@@ -167,8 +214,20 @@ fn check_rope(gpu: &Gpu, t: usize, q_heads: usize, kv_heads: usize, head_dim: us
     };
     let inv_freq = cpu::rope_inv_freq(head_dim, 500_000.0, &scaling);
     let mut dq = gpu.upload(&qkv).unwrap();
-    let (dp, df) = (gpu.upload(&positions).unwrap(), gpu.upload(&inv_freq).unwrap());
-    cuda::rope(gpu, &mut dq.as_view_mut(), &dp.as_view(), &df.as_view(), rotated, head_dim, row_stride).unwrap();
+    let (dp, df) = (
+        gpu.upload(&positions).unwrap(),
+        gpu.upload(&inv_freq).unwrap(),
+    );
+    cuda::rope(
+        gpu,
+        &mut dq.as_view_mut(),
+        &dp.as_view(),
+        &df.as_view(),
+        rotated,
+        head_dim,
+        row_stride,
+    )
+    .unwrap();
     let got = down(gpu, &dq);
     // CPU reference on the rotated columns, f32.
     let mut x: Vec<f32> = Vec::new();
@@ -178,9 +237,16 @@ fn check_rope(gpu: &Gpu, t: usize, q_heads: usize, kv_heads: usize, head_dim: us
     let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
     cpu::rope_in_place(&mut x, &pos, rotated, &inv_freq);
     let mut got_rot = Vec::new();
-    for (row, orig) in got.chunks_exact(row_stride).zip(qkv.chunks_exact(row_stride)) {
+    for (row, orig) in got
+        .chunks_exact(row_stride)
+        .zip(qkv.chunks_exact(row_stride))
+    {
         got_rot.extend(row[..rotated * head_dim].iter().map(|v| v.to_f32()));
-        assert_eq!(&row[rotated * head_dim..], &orig[rotated * head_dim..], "columns past the rotated heads must not change");
+        assert_eq!(
+            &row[rotated * head_dim..],
+            &orig[rotated * head_dim..],
+            "columns past the rotated heads must not change"
+        );
     }
     let want: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
     assert_close(&format!("rope hd={head_dim}"), &got_rot, &want, 1e-2);
@@ -204,7 +270,12 @@ fn check_silu_mul(gpu: &Gpu, t: usize, inter: usize, seed: u64) {
     let mut want = vec![f32::NAN; t * inter];
     cpu::silu_mul(&to_f32(&gu), &mut want, inter);
     let want: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
-    assert_close(&format!("silu_mul t={t} inter={inter}"), &to_f32(&down(gpu, &out)), &want, 1e-2);
+    assert_close(
+        &format!("silu_mul t={t} inter={inter}"),
+        &to_f32(&down(gpu, &out)),
+        &want,
+        1e-2,
+    );
 }
 
 #[test]
@@ -238,7 +309,17 @@ fn check_write_kv(gpu: &Gpu, layout: PagedLayout, num_blocks: usize, t: usize, s
     let cache_len = num_blocks * layout.block_elems();
     let mut cache = gpu.upload(&vec![poison; cache_len]).unwrap();
     let (dq, ds) = (gpu.upload(&qkv).unwrap(), gpu.upload(&slots).unwrap());
-    cuda::write_kv(gpu, &dq.as_view(), &ds.as_view(), &mut cache.as_view_mut(), &layout, num_blocks, k_col, row_stride).unwrap();
+    cuda::write_kv(
+        gpu,
+        &dq.as_view(),
+        &ds.as_view(),
+        &mut cache.as_view_mut(),
+        &layout,
+        num_blocks,
+        k_col,
+        row_stride,
+    )
+    .unwrap();
     let got = down(gpu, &cache);
     // Reference: the CPU write_kv token by token (one-entry block tables), in f32.
     let mut want = vec![NAN_BF16.to_f32(); cache_len];
@@ -246,14 +327,21 @@ fn check_write_kv(gpu: &Gpu, layout: PagedLayout, num_blocks: usize, t: usize, s
         if slot < 0 || slot as usize >= num_blocks * layout.block_size {
             continue;
         }
-        let (block, off) = (slot as usize / layout.block_size, slot as usize % layout.block_size);
+        let (block, off) = (
+            slot as usize / layout.block_size,
+            slot as usize % layout.block_size,
+        );
         let row = &qkv[ti * row_stride..(ti + 1) * row_stride];
         let k = to_f32(&row[k_col..k_col + kv_cols]);
         let v = to_f32(&row[k_col + kv_cols..k_col + 2 * kv_cols]);
         cpu::write_kv(&mut want, &layout, &[block as u32], off, &k, &v);
     }
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g.to_f32().to_bits(), w.to_bits(), "cache element {i} ({layout:?})");
+        assert_eq!(
+            g.to_f32().to_bits(),
+            w.to_bits(),
+            "cache element {i} ({layout:?})"
+        );
     }
 }
 
@@ -262,7 +350,11 @@ fn check_write_kv(gpu: &Gpu, layout: PagedLayout, num_blocks: usize, t: usize, s
 fn write_kv_matches_cpu_layout() {
     let g = gpu();
     for (bs, kvh, hd) in [(16, 2, 64), (32, 8, 128), (8, 1, 128), (128, 4, 64)] {
-        let layout = PagedLayout { block_size: bs, num_kv_heads: kvh, head_dim: hd };
+        let layout = PagedLayout {
+            block_size: bs,
+            num_kv_heads: kvh,
+            head_dim: hd,
+        };
         check_write_kv(&g, layout, 7, 11, (bs * kvh * hd) as u64);
     }
 }
@@ -286,8 +378,15 @@ fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, kind: OutKind, seed: u64)
     let mut want = vec![0.0f64; m * n];
     for i in 0..m {
         for j in 0..n {
-            let dot: f64 = (0..k).map(|c| f64::from(x[i * k + c].to_f32()) * f64::from(w[j * k + c].to_f32())).sum();
-            want[i * n + j] = dot + if matches!(kind, OutKind::F32Accumulate) { f64::from(init[i * n + j]) } else { 0.0 };
+            let dot: f64 = (0..k)
+                .map(|c| f64::from(x[i * k + c].to_f32()) * f64::from(w[j * k + c].to_f32()))
+                .sum();
+            want[i * n + j] = dot
+                + if matches!(kind, OutKind::F32Accumulate) {
+                    f64::from(init[i * n + j])
+                } else {
+                    0.0
+                };
         }
     }
     let what = format!("gemm {kind:?} m={m} n={n} k={k}");
@@ -295,21 +394,56 @@ fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, kind: OutKind, seed: u64)
         OutKind::Bf16 => {
             let mut out = poisoned_bf16(gpu, m * n);
             let mut view = out.as_view_mut();
-            cuda::gemm(gpu, &dx.as_view(), &dw.as_view(), GemmOut::Bf16(&mut view), m, n, k).unwrap();
+            cuda::gemm(
+                gpu,
+                &dx.as_view(),
+                &dw.as_view(),
+                GemmOut::Bf16(&mut view),
+                m,
+                n,
+                k,
+            )
+            .unwrap();
             assert_close(&what, &to_f32(&down(gpu, &out)), &want, 1e-2);
         }
         OutKind::F32 | OutKind::F32Accumulate => {
             let accumulate = matches!(kind, OutKind::F32Accumulate);
-            let mut out = if accumulate { gpu.upload(&init).unwrap() } else { poisoned_f32(gpu, m * n) };
+            let mut out = if accumulate {
+                gpu.upload(&init).unwrap()
+            } else {
+                poisoned_f32(gpu, m * n)
+            };
             let mut view = out.as_view_mut();
-            cuda::gemm(gpu, &dx.as_view(), &dw.as_view(), GemmOut::F32 { out: &mut view, accumulate }, m, n, k).unwrap();
+            cuda::gemm(
+                gpu,
+                &dx.as_view(),
+                &dw.as_view(),
+                GemmOut::F32 {
+                    out: &mut view,
+                    accumulate,
+                },
+                m,
+                n,
+                k,
+            )
+            .unwrap();
             assert_close(&what, &down(gpu, &out), &want, 1e-4);
         }
     }
     // CPU kernel agreement on one shape per call (f32 inputs from the same bf16 values).
     let mut cpu_out = vec![0.0f32; m * n];
     cpu::matmul_t(&to_f32(&x), &to_f32(&w), &mut cpu_out, m, k, n);
-    let plain: Vec<f64> = want.iter().zip(&init).map(|(&v, &i)| if matches!(kind, OutKind::F32Accumulate) { v - f64::from(i) } else { v }).collect();
+    let plain: Vec<f64> = want
+        .iter()
+        .zip(&init)
+        .map(|(&v, &i)| {
+            if matches!(kind, OutKind::F32Accumulate) {
+                v - f64::from(i)
+            } else {
+                v
+            }
+        })
+        .collect();
     assert_close(&format!("cpu matmul_t m={m}"), &cpu_out, &plain, 1e-5);
 }
 
@@ -318,7 +452,13 @@ fn check_gemm(gpu: &Gpu, m: usize, n: usize, k: usize, kind: OutKind, seed: u64)
 fn gemm_matches_f64_for_every_output_form() {
     let g = gpu();
     for kind in [OutKind::Bf16, OutKind::F32, OutKind::F32Accumulate] {
-        for (m, n, k) in [(1, 24, 40), (3, 64, 128), (17, 40, 24), (64, 512, 1024), (5, 4096, 8)] {
+        for (m, n, k) in [
+            (1, 24, 40),
+            (3, 64, 128),
+            (17, 40, 24),
+            (64, 512, 1024),
+            (5, 4096, 8),
+        ] {
             check_gemm(&g, m, n, k, kind, (m * 1000 + n + k) as u64);
         }
     }
@@ -335,16 +475,36 @@ fn bad_shapes_are_errors() {
     let w = g.alloc_zeros::<bf16>(8 * 16).unwrap();
     let mut small = g.alloc_zeros::<bf16>(10).unwrap();
     let mut view = small.as_view_mut();
-    let e = cuda::gemm(&g, &x.as_view(), &w.as_view(), GemmOut::Bf16(&mut view), 3, 8, 16).unwrap_err();
+    let e = cuda::gemm(
+        &g,
+        &x.as_view(),
+        &w.as_view(),
+        GemmOut::Bf16(&mut view),
+        3,
+        8,
+        16,
+    )
+    .unwrap_err();
     assert!(matches!(e, GpuError::BadShape(_)), "{e}");
-    let e = cuda::gemm(&g, &x.as_view(), &w.as_view(), GemmOut::Bf16(&mut small.as_view_mut()), 4, 8, 16).unwrap_err();
+    let e = cuda::gemm(
+        &g,
+        &x.as_view(),
+        &w.as_view(),
+        GemmOut::Bf16(&mut small.as_view_mut()),
+        4,
+        8,
+        16,
+    )
+    .unwrap_err();
     assert!(matches!(e, GpuError::BadShape(_)), "{e}");
     let gu = g.alloc_zeros::<bf16>(30).unwrap();
     let mut out = g.alloc_zeros::<bf16>(10).unwrap();
     let e = cuda::silu_mul(&g, &gu.as_view(), &mut out.as_view_mut(), 4).unwrap_err();
     assert!(matches!(e, GpuError::BadShape(_)), "{e}");
     let mut upload_dst = g.alloc_zeros::<f32>(2).unwrap();
-    let e = g.upload_into(&[1.0f32, 2.0, 3.0], &mut upload_dst.as_view_mut()).unwrap_err();
+    let e = g
+        .upload_into(&[1.0f32, 2.0, 3.0], &mut upload_dst.as_view_mut())
+        .unwrap_err();
     assert!(matches!(e, GpuError::BadShape(_)), "{e}");
 }
 
@@ -353,7 +513,11 @@ fn bad_shapes_are_errors() {
 fn gpu_reports_itself() {
     let g = gpu();
     let (major, _) = g.compute_capability();
-    assert!(major >= 8, "the kernels need sm_80+, got {:?}", g.compute_capability());
+    assert!(
+        major >= 8,
+        "the kernels need sm_80+, got {:?}",
+        g.compute_capability()
+    );
     let (free, total) = g.mem_info().unwrap();
     assert!(free > 0 && free <= total);
     assert!(!g.name().is_empty());
@@ -381,10 +545,21 @@ struct AttnCase {
 }
 
 /// f64 reference: query at position p attends to positions 0..=p whose block id is in range.
-fn attention_reference(case: &AttnCase, q: &[bf16], stride: usize, cache: &[bf16], tables: &[Vec<i32>], num_blocks: usize) -> Vec<f64> {
+fn attention_reference(
+    case: &AttnCase,
+    q: &[bf16],
+    stride: usize,
+    cache: &[bf16],
+    tables: &[Vec<i32>],
+    num_blocks: usize,
+) -> Vec<f64> {
     let (hd, bs, kvh) = (case.head_dim, case.block_size, case.kv_heads);
     let group = case.heads / kvh;
-    let layout = PagedLayout { block_size: bs, num_kv_heads: kvh, head_dim: hd };
+    let layout = PagedLayout {
+        block_size: bs,
+        num_kv_heads: kvh,
+        head_dim: hd,
+    };
     let scale = 1.0 / (hd as f64).sqrt();
     let mut out = Vec::new();
     for (c, &(sp, len)) in case.chunks.iter().enumerate() {
@@ -392,7 +567,9 @@ fn attention_reference(case: &AttnCase, q: &[bf16], stride: usize, cache: &[bf16
         for t in 0..len {
             let p = sp + t;
             for h in 0..case.heads {
-                let qv: Vec<f64> = (0..hd).map(|d| f64::from(q[(first + t) * stride + h * hd + d].to_f32())).collect();
+                let qv: Vec<f64> = (0..hd)
+                    .map(|d| f64::from(q[(first + t) * stride + h * hd + d].to_f32()))
+                    .collect();
                 let mut scores = Vec::new();
                 let mut rows = Vec::new();
                 for kp in 0..=p {
@@ -402,7 +579,10 @@ fn attention_reference(case: &AttnCase, q: &[bf16], stride: usize, cache: &[bf16
                     }
                     let ko = layout.k_offset(id as u32, h / group, kp % bs);
                     let vo = layout.v_offset(id as u32, h / group, kp % bs);
-                    let s: f64 = (0..hd).map(|d| qv[d] * f64::from(cache[ko + d].to_f32())).sum::<f64>() * scale;
+                    let s: f64 = (0..hd)
+                        .map(|d| qv[d] * f64::from(cache[ko + d].to_f32()))
+                        .sum::<f64>()
+                        * scale;
                     scores.push(s);
                     rows.push(vo);
                 }
@@ -410,7 +590,11 @@ fn attention_reference(case: &AttnCase, q: &[bf16], stride: usize, cache: &[bf16
                 let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f64 = w.iter().sum();
                 for d in 0..hd {
-                    let v: f64 = w.iter().zip(&rows).map(|(w, &vo)| w * f64::from(cache[vo + d].to_f32())).sum();
+                    let v: f64 = w
+                        .iter()
+                        .zip(&rows)
+                        .map(|(w, &vo)| w * f64::from(cache[vo + d].to_f32()))
+                        .sum();
                     out.push(if z > 0.0 { v / z } else { 0.0 });
                 }
             }
@@ -424,7 +608,11 @@ fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
     let (hd, bs, kvh, nh) = (case.head_dim, case.block_size, case.kv_heads, case.heads);
     let stride = (nh + 2 * kvh) * hd; // a qkv row: q heads, then K and V
     let t_total: usize = case.chunks.iter().map(|c| c.1).sum();
-    let needed: Vec<usize> = case.chunks.iter().map(|&(sp, len)| (sp + len).div_ceil(bs)).collect();
+    let needed: Vec<usize> = case
+        .chunks
+        .iter()
+        .map(|&(sp, len)| (sp + len).div_ceil(bs))
+        .collect();
     let num_blocks = needed.iter().sum::<usize>() + 5;
     // Scattered, non-contiguous block ids: a shuffled pool.
     let mut pool: Vec<i32> = (0..num_blocks as i32).collect();
@@ -446,7 +634,11 @@ fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
         let n = needed[last];
         tables[last][n / 2] = -1;
     }
-    let layout = PagedLayout { block_size: bs, num_kv_heads: kvh, head_dim: hd };
+    let layout = PagedLayout {
+        block_size: bs,
+        num_kv_heads: kvh,
+        head_dim: hd,
+    };
     let cache = rand_bf16(&mut r, num_blocks * layout.block_elems(), 1.0);
     let q = rand_bf16(&mut r, t_total * stride, 2.0);
     let mut cu_q = vec![0i32];
@@ -456,7 +648,11 @@ fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
     let start_pos: Vec<i32> = case.chunks.iter().map(|c| c.0 as i32).collect();
     let flat_tables: Vec<i32> = tables.concat();
     let (dq, dc) = (gpu.upload(&q).unwrap(), gpu.upload(&cache).unwrap());
-    let (dcu, dsp, dbt) = (gpu.upload(&cu_q).unwrap(), gpu.upload(&start_pos).unwrap(), gpu.upload(&flat_tables).unwrap());
+    let (dcu, dsp, dbt) = (
+        gpu.upload(&cu_q).unwrap(),
+        gpu.upload(&start_pos).unwrap(),
+        gpu.upload(&flat_tables).unwrap(),
+    );
     let mut out = poisoned_bf16(gpu, t_total * nh * hd);
     let (cu_v, sp_v, bt_v) = (dcu.as_view(), dsp.as_view(), dbt.as_view());
     let meta = cuda::AttnMeta {
@@ -480,9 +676,26 @@ fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
     if case.decode {
         let ws_len = cuda::decode_workspace_len(meta.num_chunks, &shape, meta.max_context);
         let mut ws = poisoned_f32(gpu, ws_len.max(1));
-        cuda::decode_attention(gpu, &dq.as_view(), &meta, &shape, &dc.as_view(), &mut ws.as_view_mut(), &mut out.as_view_mut()).unwrap();
+        cuda::decode_attention(
+            gpu,
+            &dq.as_view(),
+            &meta,
+            &shape,
+            &dc.as_view(),
+            &mut ws.as_view_mut(),
+            &mut out.as_view_mut(),
+        )
+        .unwrap();
     } else {
-        cuda::prefill_attention(gpu, &dq.as_view(), &meta, &shape, &dc.as_view(), &mut out.as_view_mut()).unwrap();
+        cuda::prefill_attention(
+            gpu,
+            &dq.as_view(),
+            &meta,
+            &shape,
+            &dc.as_view(),
+            &mut out.as_view_mut(),
+        )
+        .unwrap();
     }
     let got = to_f32(&down(gpu, &out));
     let want = attention_reference(case, &q, stride, &cache, &tables, num_blocks);
@@ -494,13 +707,25 @@ fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
     assert_close(&what, &got, &want, 1e-2);
     // Without holes the CPU kernel (f32) agrees as well.
     if !case.hole {
-        let qf: Vec<f32> = q.chunks_exact(stride).flat_map(|row| row[..nh * hd].iter().map(|v| v.to_f32())).collect();
-        let tables_u32: Vec<Vec<u32>> = tables.iter().zip(&needed).map(|(t, &n)| t[..n].iter().map(|&b| b as u32).collect()).collect();
+        let qf: Vec<f32> = q
+            .chunks_exact(stride)
+            .flat_map(|row| row[..nh * hd].iter().map(|v| v.to_f32()))
+            .collect();
+        let tables_u32: Vec<Vec<u32>> = tables
+            .iter()
+            .zip(&needed)
+            .map(|(t, &n)| t[..n].iter().map(|&b| b as u32).collect())
+            .collect();
         let chunks: Vec<cpu::AttentionChunk<'_>> = case
             .chunks
             .iter()
             .enumerate()
-            .map(|(c, &(sp, len))| cpu::AttentionChunk { first_token: cu_q[c] as usize, len, start_pos: sp, block_table: &tables_u32[c] })
+            .map(|(c, &(sp, len))| cpu::AttentionChunk {
+                first_token: cu_q[c] as usize,
+                len,
+                start_pos: sp,
+                block_table: &tables_u32[c],
+            })
             .collect();
         let mut cpu_out = vec![f32::NAN; t_total * nh * hd];
         cpu::paged_attention(&qf, &chunks, &to_f32(&cache), &layout, nh, &mut cpu_out);
@@ -530,13 +755,31 @@ fn prefill_attention_matches_reference() {
         // A fresh prompt, a chunk continuing a cached prefix, a one-token chunk, a long chunk.
         let chunks = vec![(0, 70), (100, 33), (37, 1), (5, 130)];
         for hole in [false, true] {
-            let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks: chunks.clone(), decode: false, context_slack: 0, hole };
+            let case = AttnCase {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                block_size: bs,
+                chunks: chunks.clone(),
+                decode: false,
+                context_slack: 0,
+                hole,
+            };
             check_attention(&g, &case, 100 + i as u64);
         }
     }
     // Group 8 with 8 KV heads, and block sizes at the ends of the range.
     for bs in [8, 128] {
-        let case = AttnCase { heads: 64, kv_heads: 8, head_dim: 128, block_size: bs, chunks: vec![(0, 40), (200, 25)], decode: false, context_slack: 0, hole: false };
+        let case = AttnCase {
+            heads: 64,
+            kv_heads: 8,
+            head_dim: 128,
+            block_size: bs,
+            chunks: vec![(0, 40), (200, 25)],
+            decode: false,
+            context_slack: 0,
+            hole: false,
+        };
         check_attention(&g, &case, 7 + bs as u64);
     }
 }
@@ -548,13 +791,40 @@ fn decode_attention_matches_reference() {
     for (i, (hd, heads, kv_heads, bs)) in attention_geometries().into_iter().enumerate() {
         // Contexts 1, 17, 1000, 5000: one split up to 256 keys, many beyond.
         let chunks = vec![(0, 1), (16, 1), (999, 1), (4999, 1)];
-        let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks, decode: true, context_slack: 0, hole: false };
+        let case = AttnCase {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            block_size: bs,
+            chunks,
+            decode: true,
+            context_slack: 0,
+            hole: false,
+        };
         check_attention(&g, &case, 200 + i as u64);
         // A single split (max_context <= 256), and a bound far above the real contexts (a graph
         // captured for a longer context: most splits are empty), with a hole.
-        let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks: vec![(0, 1), (16, 1), (200, 1)], decode: true, context_slack: 0, hole: false };
+        let case = AttnCase {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            block_size: bs,
+            chunks: vec![(0, 1), (16, 1), (200, 1)],
+            decode: true,
+            context_slack: 0,
+            hole: false,
+        };
         check_attention(&g, &case, 300 + i as u64);
-        let case = AttnCase { heads, kv_heads, head_dim: hd, block_size: bs, chunks: vec![(40, 1), (700, 1)], decode: true, context_slack: 3000, hole: true };
+        let case = AttnCase {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            block_size: bs,
+            chunks: vec![(40, 1), (700, 1)],
+            decode: true,
+            context_slack: 3000,
+            hole: true,
+        };
         check_attention(&g, &case, 400 + i as u64);
     }
 }
@@ -569,18 +839,64 @@ fn attention_rejects_unsupported_shapes() {
     let sp = g.upload(&[0i32]).unwrap();
     let bt = g.upload(&[0i32]).unwrap();
     let (cu_v, sp_v, bt_v) = (meta_buf.as_view(), sp.as_view(), bt.as_view());
-    let meta = cuda::AttnMeta { cu_q: &cu_v, start_pos: &sp_v, block_tables: &bt_v, num_chunks: 1, max_blocks: 1, max_q_len: 1, max_context: 1 };
+    let meta = cuda::AttnMeta {
+        cu_q: &cu_v,
+        start_pos: &sp_v,
+        block_tables: &bt_v,
+        num_chunks: 1,
+        max_blocks: 1,
+        max_q_len: 1,
+        max_context: 1,
+    };
     let mut out = g.alloc_zeros::<bf16>(96 * 4).unwrap();
-    let base = cuda::AttnShape { num_heads: 4, num_kv_heads: 1, head_dim: 96, block_size: 16, num_blocks: 1, q_row_stride: 384, scale: 0.1 };
+    let base = cuda::AttnShape {
+        num_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 96,
+        block_size: 16,
+        num_blocks: 1,
+        q_row_stride: 384,
+        scale: 0.1,
+    };
     let bad = [
         base,
-        cuda::AttnShape { head_dim: 64, num_heads: 3, num_kv_heads: 2, q_row_stride: 256, ..base },
-        cuda::AttnShape { head_dim: 64, num_heads: 34, num_kv_heads: 2, q_row_stride: 34 * 64, ..base },
-        cuda::AttnShape { head_dim: 64, block_size: 12, q_row_stride: 256, ..base },
-        cuda::AttnShape { head_dim: 64, num_blocks: 100, q_row_stride: 256, ..base },
+        cuda::AttnShape {
+            head_dim: 64,
+            num_heads: 3,
+            num_kv_heads: 2,
+            q_row_stride: 256,
+            ..base
+        },
+        cuda::AttnShape {
+            head_dim: 64,
+            num_heads: 34,
+            num_kv_heads: 2,
+            q_row_stride: 34 * 64,
+            ..base
+        },
+        cuda::AttnShape {
+            head_dim: 64,
+            block_size: 12,
+            q_row_stride: 256,
+            ..base
+        },
+        cuda::AttnShape {
+            head_dim: 64,
+            num_blocks: 100,
+            q_row_stride: 256,
+            ..base
+        },
     ];
     for shape in bad {
-        let e = cuda::prefill_attention(&g, &q.as_view(), &meta, &shape, &cache.as_view(), &mut out.as_view_mut()).unwrap_err();
+        let e = cuda::prefill_attention(
+            &g,
+            &q.as_view(),
+            &meta,
+            &shape,
+            &cache.as_view(),
+            &mut out.as_view_mut(),
+        )
+        .unwrap_err();
         assert!(matches!(e, GpuError::BadShape(_)), "{shape:?}: {e}");
     }
 }
@@ -600,31 +916,59 @@ struct SampleRow {
 /// lies within 1e-6 (relative) of its target, where f32 weights may legitimately go either way.
 fn sample_reference(row: &SampleRow) -> Option<(u32, f64, Vec<f32>)> {
     let p = &row.params;
-    let mut l: Vec<f32> = row.logits.iter().map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v.min(f32::MAX) + 0.0 }).collect();
+    let mut l: Vec<f32> = row
+        .logits
+        .iter()
+        .map(|&v| {
+            if v.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                v.min(f32::MAX) + 0.0
+            }
+        })
+        .collect();
     for &(t, count) in &row.pen {
-        let Some(v) = l.get_mut(t as usize) else { continue };
+        let Some(v) = l.get_mut(t as usize) else {
+            continue;
+        };
         if p.repetition != 1.0 {
-            *v = if *v > 0.0 { *v / p.repetition } else { *v * p.repetition };
+            *v = if *v > 0.0 {
+                *v / p.repetition
+            } else {
+                *v * p.repetition
+            };
         }
         if count > 0 && (p.presence != 0.0 || p.frequency != 0.0) {
             *v -= p.presence + p.frequency * count as f32;
         }
     }
-    let max = l.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let max = l
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
     let argmax = l.iter().position(|&v| v == max).unwrap_or(0) as u32;
     if max == f32::NEG_INFINITY {
         return Some((0, f64::NEG_INFINITY, l));
     }
     if p.temperature == 0.0 {
-        let lse = f64::from(max) + l.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).sum::<f64>().ln();
+        let lse = f64::from(max)
+            + l.iter()
+                .map(|&v| (f64::from(v) - f64::from(max)).exp())
+                .sum::<f64>()
+                .ln();
         return Some((argmax, f64::from(l[argmax as usize]) - lse, l));
     }
     let inv = 1.0 / p.temperature;
     let work: Vec<f32> = l.iter().map(|&v| (v - max) * inv).collect();
     let w: Vec<f64> = work.iter().map(|&x| f64::from(x).exp()).collect();
     let lse = w.iter().sum::<f64>().ln();
-    let mut cands: Vec<u32> = (0..l.len() as u32).filter(|&i| work[i as usize] > f32::NEG_INFINITY).collect();
-    cands.sort_by(|&a, &b| work[b as usize].total_cmp(&work[a as usize]).then(a.cmp(&b)));
+    let mut cands: Vec<u32> = (0..l.len() as u32)
+        .filter(|&i| work[i as usize] > f32::NEG_INFINITY)
+        .collect();
+    cands.sort_by(|&a, &b| {
+        work[b as usize]
+            .total_cmp(&work[a as usize])
+            .then(a.cmp(&b))
+    });
     let near = |a: f64, b: f64, scale: f64| (a - b).abs() <= 1e-6 * scale;
     if p.top_k > 0 && (p.top_k as usize) < l.len() {
         cands.truncate(p.top_k as usize);
@@ -678,7 +1022,11 @@ fn check_sampling(gpu: &Gpu, mut rows: Vec<SampleRow>, what: &str) {
         let mut tries = 0;
         while sample_reference(row).is_none() {
             row.params.uniform = (row.params.uniform + 0.377).fract();
-            row.params.top_p = if row.params.top_p < 1.0 { row.params.top_p * 0.99 } else { 1.0 };
+            row.params.top_p = if row.params.top_p < 1.0 {
+                row.params.top_p * 0.99
+            } else {
+                1.0
+            };
             row.params.min_p *= 1.01;
             tries += 1;
             assert!(tries < 20, "{what}: could not find an unambiguous draw");
@@ -700,21 +1048,44 @@ fn check_sampling(gpu: &Gpu, mut rows: Vec<SampleRow>, what: &str) {
     counts.push(0);
     let mut dl = gpu.upload(&logits).unwrap();
     let dp = gpu.upload(&params).unwrap();
-    let (doff, dtok, dcnt) = (gpu.upload(&offsets).unwrap(), gpu.upload(&toks).unwrap(), gpu.upload(&counts).unwrap());
+    let (doff, dtok, dcnt) = (
+        gpu.upload(&offsets).unwrap(),
+        gpu.upload(&toks).unwrap(),
+        gpu.upload(&counts).unwrap(),
+    );
     let mut out_t = gpu.upload(&vec![u32::MAX; rows.len()]).unwrap();
     let mut out_lp = poisoned_f32(gpu, rows.len());
     let dtok_view = dtok.slice(0..toks.len() - 1);
-    cuda::sample(gpu, &mut dl.as_view_mut(), vocab, &dp.as_view(), &doff.as_view(), &dtok_view, &dcnt.as_view(), &mut out_t.as_view_mut(), &mut out_lp.as_view_mut()).unwrap();
+    cuda::sample(
+        gpu,
+        &mut dl.as_view_mut(),
+        vocab,
+        &dp.as_view(),
+        &doff.as_view(),
+        &dtok_view,
+        &dcnt.as_view(),
+        &mut out_t.as_view_mut(),
+        &mut out_lp.as_view_mut(),
+    )
+    .unwrap();
     let (got_t, got_lp, got_rows) = (down(gpu, &out_t), down(gpu, &out_lp), down(gpu, &dl));
     for (i, row) in rows.iter().enumerate() {
         let (token, logprob, penalised) = sample_reference(row).unwrap();
-        let ctx = format!("{what}, row {i} ({:?}, {} penalties)", row.params, row.pen.len());
+        let ctx = format!(
+            "{what}, row {i} ({:?}, {} penalties)",
+            row.params,
+            row.pen.len()
+        );
         assert_eq!(got_t[i], token, "{ctx}: token");
         assert!(!got_lp[i].is_nan(), "{ctx}: NaN logprob");
         if logprob == f64::NEG_INFINITY {
             assert_eq!(got_lp[i], f32::NEG_INFINITY, "{ctx}: logprob");
         } else {
-            assert!((f64::from(got_lp[i]) - logprob).abs() <= 1e-4, "{ctx}: logprob {} vs {logprob}", got_lp[i]);
+            assert!(
+                (f64::from(got_lp[i]) - logprob).abs() <= 1e-4,
+                "{ctx}: logprob {} vs {logprob}",
+                got_lp[i]
+            );
         }
         let got_row = &got_rows[i * vocab..(i + 1) * vocab];
         for (j, (g, w)) in got_row.iter().zip(&penalised).enumerate() {
@@ -725,7 +1096,16 @@ fn check_sampling(gpu: &Gpu, mut rows: Vec<SampleRow>, what: &str) {
 
 fn sample_rows(vocab: usize, seed: u64) -> Vec<SampleRow> {
     let mut r = rng(seed);
-    let base = cuda::SampleParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition: 1.0, presence: 0.0, frequency: 0.0, uniform: 0.5 };
+    let base = cuda::SampleParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition: 1.0,
+        presence: 0.0,
+        frequency: 0.0,
+        uniform: 0.5,
+    };
     let with = |f: &dyn Fn(&mut cuda::SampleParams)| {
         let mut p = base;
         f(&mut p);
@@ -797,14 +1177,22 @@ fn sample_rows(vocab: usize, seed: u64) -> Vec<SampleRow> {
                 // The current favourites, some only in the prompt (count 0), and one id past the vocabulary.
                 let mut order: Vec<usize> = (0..vocab).collect();
                 order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-                let mut pen: Vec<(i32, i32)> = order[..6].iter().enumerate().map(|(k, &t)| (t as i32, (k % 3) as i32)).collect();
+                let mut pen: Vec<(i32, i32)> = order[..6]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &t)| (t as i32, (k % 3) as i32))
+                    .collect();
                 pen.push((vocab as i32 + 5, 2));
                 pen.push((order[vocab - 1] as i32, 1)); // a negative logit: multiplied
                 pen
             } else {
                 Vec::new()
             };
-            SampleRow { logits, params, pen }
+            SampleRow {
+                logits,
+                params,
+                pen,
+            }
         })
         .collect()
 }
@@ -842,13 +1230,40 @@ fn sampling_matches_reference() {
 #[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
 fn sampling_sanitises_nan_and_inf() {
     let g = gpu();
-    let greedy = cuda::SampleParams { temperature: 0.0, top_p: 1.0, repetition: 1.0, ..Default::default() };
-    let hot = cuda::SampleParams { temperature: 1.0, top_p: 1.0, repetition: 1.0, uniform: 0.7, ..Default::default() };
+    let greedy = cuda::SampleParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        repetition: 1.0,
+        ..Default::default()
+    };
+    let hot = cuda::SampleParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        repetition: 1.0,
+        uniform: 0.7,
+        ..Default::default()
+    };
     let rows = vec![
-        SampleRow { logits: vec![f32::NAN, 1.0, f32::INFINITY, 2.0, f32::NEG_INFINITY], params: greedy, pen: vec![] },
-        SampleRow { logits: vec![f32::NAN, 1.0, -0.0, 2.0, f32::NEG_INFINITY], params: hot, pen: vec![] },
-        SampleRow { logits: vec![f32::NAN; 5], params: greedy, pen: vec![] },
-        SampleRow { logits: vec![f32::NEG_INFINITY; 5], params: hot, pen: vec![] },
+        SampleRow {
+            logits: vec![f32::NAN, 1.0, f32::INFINITY, 2.0, f32::NEG_INFINITY],
+            params: greedy,
+            pen: vec![],
+        },
+        SampleRow {
+            logits: vec![f32::NAN, 1.0, -0.0, 2.0, f32::NEG_INFINITY],
+            params: hot,
+            pen: vec![],
+        },
+        SampleRow {
+            logits: vec![f32::NAN; 5],
+            params: greedy,
+            pen: vec![],
+        },
+        SampleRow {
+            logits: vec![f32::NEG_INFINITY; 5],
+            params: hot,
+            pen: vec![],
+        },
     ];
     check_sampling(&g, rows, "nan/inf");
 }

@@ -19,7 +19,11 @@ fn compiles_for(arch: &str) {
     nvrtc_or_fail();
     match cuda::compile(arch) {
         Ok(cubin) => {
-            assert!(cubin.len() > 1024, "{arch}: CUBIN of only {} bytes", cubin.len());
+            assert!(
+                cubin.len() > 1024,
+                "{arch}: CUBIN of only {} bytes",
+                cubin.len()
+            );
             assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: a CUBIN is an ELF image");
         }
         Err(GpuError::Compile { log }) => panic!("kernels do not compile for {arch}:\n{log}"),
@@ -54,5 +58,8 @@ fn a_syntax_error_is_a_compile_error_with_the_log() {
 fn nvrtc_is_new_enough() {
     nvrtc_or_fail();
     let (major, _) = cuda::nvrtc_version().unwrap();
-    assert!(major >= 12, "NVRTC {major}.x is older than the kernels need (sm_90, cp.async, bf16 PTX)");
+    assert!(
+        major >= 12,
+        "NVRTC {major}.x is older than the kernels need (sm_90, cp.async, bf16 PTX)"
+    );
 }

@@ -97,7 +97,11 @@ fn decode_splits(max_context: usize) -> usize {
 /// contexts up to `max_context` (0 when one split suffices).
 pub fn decode_workspace_len(num_chunks: usize, shape: &AttnShape, max_context: usize) -> usize {
     let splits = decode_splits(max_context);
-    if splits == 1 { 0 } else { num_chunks * shape.num_heads * splits * (shape.head_dim + 2) }
+    if splits == 1 {
+        0
+    } else {
+        num_chunks * shape.num_heads * splits * (shape.head_dim + 2)
+    }
 }
 
 /// Checks everything the two kernels share and builds their parameters.
@@ -109,28 +113,58 @@ fn params(
     cache: &CudaView<'_, bf16>,
     out: &CudaViewMut<'_, bf16>,
 ) -> Result<AttnParams> {
-    let &AttnShape { num_heads, num_kv_heads, head_dim, block_size, num_blocks, q_row_stride, scale } = shape;
-    check(matches!(head_dim, 64 | 128), || format!("head_dim {head_dim}: only 64 and 128 are compiled"))?;
-    check(num_kv_heads > 0 && num_heads.is_multiple_of(num_kv_heads), || {
-        format!("{num_heads} heads are not a multiple of {num_kv_heads} KV heads")
+    let &AttnShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        q_row_stride,
+        scale,
+    } = shape;
+    check(matches!(head_dim, 64 | 128), || {
+        format!("head_dim {head_dim}: only 64 and 128 are compiled")
     })?;
+    check(
+        num_kv_heads > 0 && num_heads.is_multiple_of(num_kv_heads),
+        || format!("{num_heads} heads are not a multiple of {num_kv_heads} KV heads"),
+    )?;
     let group = num_heads / num_kv_heads;
-    check((1..=MAX_GROUP).contains(&group), || format!("GQA group {group} is outside 1..={MAX_GROUP}"))?;
-    check(block_size.is_power_of_two() && (8..=128).contains(&block_size), || {
-        format!("block_size {block_size} must be a power of two in 8..=128")
+    check((1..=MAX_GROUP).contains(&group), || {
+        format!("GQA group {group} is outside 1..={MAX_GROUP}")
     })?;
+    check(
+        block_size.is_power_of_two() && (8..=128).contains(&block_size),
+        || format!("block_size {block_size} must be a power of two in 8..=128"),
+    )?;
     let row = num_heads * head_dim;
-    check(q_row_stride >= row && q_row_stride.is_multiple_of(8), || {
-        format!("q_row_stride {q_row_stride} must be >= {row} and a multiple of 8")
-    })?;
+    check(
+        q_row_stride >= row && q_row_stride.is_multiple_of(8),
+        || format!("q_row_stride {q_row_stride} must be >= {row} and a multiple of 8"),
+    )?;
     check(scale.is_finite(), || format!("scale {scale} is not finite"))?;
-    need_len("cache", cache.len(), num_blocks * 2 * num_kv_heads * block_size * head_dim)?;
+    need_len(
+        "cache",
+        cache.len(),
+        num_blocks * 2 * num_kv_heads * block_size * head_dim,
+    )?;
     need_len("cu_q", meta.cu_q.len(), meta.num_chunks + 1)?;
     need_len("start_pos", meta.start_pos.len(), meta.num_chunks)?;
-    need_len("block_tables", meta.block_tables.len(), meta.num_chunks * meta.max_blocks)?;
+    need_len(
+        "block_tables",
+        meta.block_tables.len(),
+        meta.num_chunks * meta.max_blocks,
+    )?;
     let s = gpu.stream();
-    check(aligned(&[addr(q, s), addr(cache, s), addr(out, s)], 16), || "q, cache and out must be 16-byte aligned".into())?;
-    let q_rows = if q.len() >= row { (q.len() - row) / q_row_stride + 1 } else { 0 };
+    check(
+        aligned(&[addr(q, s), addr(cache, s), addr(out, s)], 16),
+        || "q, cache and out must be 16-byte aligned".into(),
+    )?;
+    let q_rows = if q.len() >= row {
+        (q.len() - row) / q_row_stride + 1
+    } else {
+        0
+    };
     let q_rows = q_rows.min(out.len() / row);
     Ok(AttnParams {
         num_chunks: to_i32("num_chunks", meta.num_chunks)?,
@@ -168,15 +202,34 @@ pub fn prefill_attention(
     let group = p.group as usize;
     // Upper bound of Σ_c ceil(len_c * group / 64).
     let per_chunk = (meta.max_q_len * group).div_ceil(PREFILL_ROWS);
-    let tiles = (meta.num_chunks * per_chunk).min((p.q_rows as usize * group).div_ceil(PREFILL_ROWS) + meta.num_chunks);
-    let tiles = u32::try_from(tiles).ok().filter(|&t| t < i32::MAX as u32).ok_or_else(|| GpuError::BadShape(format!("{tiles} query tiles exceed the grid")))?;
+    let tiles = (meta.num_chunks * per_chunk)
+        .min((p.q_rows as usize * group).div_ceil(PREFILL_ROWS) + meta.num_chunks);
+    let tiles = u32::try_from(tiles)
+        .ok()
+        .filter(|&t| t < i32::MAX as u32)
+        .ok_or_else(|| GpuError::BadShape(format!("{tiles} query tiles exceed the grid")))?;
     let hd = shape.head_dim;
     let smem = 3 * KEY_TILE * (hd + 8) * 2 + KEY_TILE * 8;
     debug_assert!(smem <= MAX_DYNAMIC_SMEM);
-    let kernel = if hd == 64 { Kernel::PrefillAttentionHd64 } else { Kernel::PrefillAttentionHd128 };
-    let cfg = LaunchConfig { grid_dim: (tiles, shape.num_kv_heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 };
+    let kernel = if hd == 64 {
+        Kernel::PrefillAttentionHd64
+    } else {
+        Kernel::PrefillAttentionHd128
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (tiles, shape.num_kv_heads as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
     let mut launch = gpu.stream().launch_builder(gpu.func(kernel));
-    launch.arg(&p).arg(q).arg(meta.cu_q).arg(meta.start_pos).arg(meta.block_tables).arg(cache).arg(out);
+    launch
+        .arg(&p)
+        .arg(q)
+        .arg(meta.cu_q)
+        .arg(meta.start_pos)
+        .arg(meta.block_tables)
+        .arg(cache)
+        .arg(out);
     // SAFETY: argument types match prefill_attention_hd{64,128}; every buffer length was checked
     // against the sizes in `p`; the kernel validates the device-side metadata (token indices
     // against q_rows, block ids against num_blocks and max_blocks) before any access.
@@ -199,25 +252,52 @@ pub fn decode_attention(
 ) -> Result<()> {
     let mut p = params(gpu, q, meta, shape, cache, out)?;
     let splits = decode_splits(meta.max_context);
-    check(splits <= 65_535, || format!("max_context {} needs too many splits", meta.max_context))?;
-    need_len("workspace", workspace.len(), decode_workspace_len(meta.num_chunks, shape, meta.max_context))?;
+    check(splits <= 65_535, || {
+        format!("max_context {} needs too many splits", meta.max_context)
+    })?;
+    need_len(
+        "workspace",
+        workspace.len(),
+        decode_workspace_len(meta.num_chunks, shape, meta.max_context),
+    )?;
     if meta.num_chunks == 0 || p.q_rows == 0 {
         return Ok(());
     }
-    check(meta.num_chunks <= i32::MAX as usize, || "too many chunks".into())?;
+    check(meta.num_chunks <= i32::MAX as usize, || {
+        "too many chunks".into()
+    })?;
     p.num_splits = splits as i32;
     let (hd, group) = (shape.head_dim, p.group as usize);
-    let smem = 2 * KEY_TILE * (hd + 8) * 2 + (group * hd + group * KEY_TILE + 3 * group + 1) * 4 + 8 + KEY_TILE * 8;
+    let smem = 2 * KEY_TILE * (hd + 8) * 2
+        + (group * hd + group * KEY_TILE + 3 * group + 1) * 4
+        + 8
+        + KEY_TILE * 8;
     debug_assert!(smem <= MAX_DYNAMIC_SMEM);
-    let kernel = if hd == 64 { Kernel::DecodeAttentionHd64 } else { Kernel::DecodeAttentionHd128 };
+    let kernel = if hd == 64 {
+        Kernel::DecodeAttentionHd64
+    } else {
+        Kernel::DecodeAttentionHd128
+    };
     let cfg = LaunchConfig {
-        grid_dim: (meta.num_chunks as u32, shape.num_kv_heads as u32, splits as u32),
+        grid_dim: (
+            meta.num_chunks as u32,
+            shape.num_kv_heads as u32,
+            splits as u32,
+        ),
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     let s = gpu.stream();
     let mut launch = s.launch_builder(gpu.func(kernel));
-    launch.arg(&p).arg(q).arg(meta.cu_q).arg(meta.start_pos).arg(meta.block_tables).arg(cache).arg(&mut *workspace).arg(&mut *out);
+    launch
+        .arg(&p)
+        .arg(q)
+        .arg(meta.cu_q)
+        .arg(meta.start_pos)
+        .arg(meta.block_tables)
+        .arg(cache)
+        .arg(&mut *workspace)
+        .arg(&mut *out);
     // SAFETY: argument types match decode_attention_hd{64,128}; buffer lengths were checked
     // against `p` (the workspace against decode_workspace_len for these splits); the kernel
     // validates the device-side metadata before any access.

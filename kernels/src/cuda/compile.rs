@@ -34,8 +34,14 @@ pub(crate) const SOURCE: &str = concat!(
 
 /// Options for every compilation besides the architecture. No fast math: `expf`, `sincosf` and
 /// divisions are the accurate versions (the defaults, spelled out so the cache key names them).
-const OPTIONS: [&str; 6] =
-    ["-std=c++17", "-default-device", "--fmad=true", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"];
+const OPTIONS: [&str; 6] = [
+    "-std=c++17",
+    "-default-device",
+    "--fmad=true",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+];
 
 const NVRTC_HINT: &str = "put the directory holding libnvrtc.so.13 and libnvrtc-builtins.so.13.* on \
      LD_LIBRARY_PATH (a CUDA 13 toolkit's lib64, or the directory scripts/fetch-nvrtc.sh prints)";
@@ -46,7 +52,10 @@ pub(crate) fn check_nvrtc() -> Result<()> {
     if unsafe { nvrtc_sys::is_culib_present() } {
         Ok(())
     } else {
-        Err(GpuError::NoLibrary { lib: "libnvrtc.so.13", hint: NVRTC_HINT.to_string() })
+        Err(GpuError::NoLibrary {
+            lib: "libnvrtc.so.13",
+            hint: NVRTC_HINT.to_string(),
+        })
     }
 }
 
@@ -60,14 +69,18 @@ pub fn compile(arch: &str) -> Result<Vec<u8>> {
 /// NVRTC rejects is [`GpuError::Compile`] carrying NVRTC's log.
 pub fn compile_source(source: &str, arch: &str) -> Result<Vec<u8>> {
     check_nvrtc()?;
-    let src = CString::new(source).map_err(|_| GpuError::Compile { log: "source contains a NUL byte".into() })?;
+    let src = CString::new(source).map_err(|_| GpuError::Compile {
+        log: "source contains a NUL byte".into(),
+    })?;
     let program = Program(nvrtc::create_program(&src, Some(c"tandem.cu"))?);
     let mut options = vec![format!("--gpu-architecture={arch}")];
     options.extend(OPTIONS.iter().map(|o| o.to_string()));
     // SAFETY: `program` is a live program from create_program, destroyed only by its Drop.
     let compiled = unsafe { nvrtc::compile_program(program.0, &options) };
     // SAFETY: as above.
-    let log = unsafe { nvrtc::get_program_log(program.0) }.map(c_chars_to_string).unwrap_or_default();
+    let log = unsafe { nvrtc::get_program_log(program.0) }
+        .map(c_chars_to_string)
+        .unwrap_or_default();
     if compiled.is_err() {
         return Err(GpuError::Compile { log });
     }
@@ -78,7 +91,9 @@ pub fn compile_source(source: &str, arch: &str) -> Result<Vec<u8>> {
     // SAFETY: live program; `cubin` has exactly the size NVRTC reported.
     unsafe { nvrtc_sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast::<c_char>()) }.result()?;
     if cubin.is_empty() {
-        return Err(GpuError::Nvrtc(format!("NVRTC returned an empty CUBIN for {arch}")));
+        return Err(GpuError::Nvrtc(format!(
+            "NVRTC returned an empty CUBIN for {arch}"
+        )));
     }
     Ok(cubin)
 }
@@ -94,7 +109,11 @@ impl Drop for Program {
 }
 
 fn c_chars_to_string(v: Vec<c_char>) -> String {
-    let bytes: Vec<u8> = v.into_iter().take_while(|&c| c != 0).map(|c| c as u8).collect();
+    let bytes: Vec<u8> = v
+        .into_iter()
+        .take_while(|&c| c != 0)
+        .map(|c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -111,7 +130,11 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 /// `$XDG_CACHE_HOME/tandem/kernels`, else `$HOME/.cache/tandem/kernels`; `None` when none of these
 /// variables is set (then nothing is cached).
 pub fn cache_dir() -> Option<PathBuf> {
-    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(dir) = var("TANDEM_CACHE_DIR") {
         return Some(dir.join("kernels"));
     }
@@ -132,11 +155,18 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 
 /// The cache file for the kernel source compiled for `arch` by this NVRTC.
 fn cache_path(arch: &str) -> Result<Option<PathBuf>> {
-    let Some(dir) = cache_dir() else { return Ok(None) };
+    let Some(dir) = cache_dir() else {
+        return Ok(None);
+    };
     let (major, minor) = nvrtc_version()?;
     let version = format!("{major}.{minor}");
     let options = OPTIONS.join(" ");
-    let key = fnv1a(&[SOURCE.as_bytes(), arch.as_bytes(), version.as_bytes(), options.as_bytes()]);
+    let key = fnv1a(&[
+        SOURCE.as_bytes(),
+        arch.as_bytes(),
+        version.as_bytes(),
+        options.as_bytes(),
+    ]);
     Ok(Some(dir.join(format!("{arch}-{key:016x}.cubin"))))
 }
 
@@ -144,7 +174,11 @@ fn cache_path(arch: &str) -> Result<Option<PathBuf>> {
 /// whether it came from the cache (the caller recompiles with [`compile`] if it fails to load).
 pub(crate) fn compile_cached(arch: &str) -> Result<(Vec<u8>, bool)> {
     let path = cache_path(arch)?;
-    if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()).filter(|b| !b.is_empty()) {
+    if let Some(bytes) = path
+        .as_ref()
+        .and_then(|p| std::fs::read(p).ok())
+        .filter(|b| !b.is_empty())
+    {
         return Ok((bytes, true));
     }
     let cubin = compile(arch)?;
@@ -160,7 +194,9 @@ pub(crate) fn store(path: &std::path::Path, bytes: &[u8]) {
     if std::fs::create_dir_all(dir).is_err() {
         return;
     }
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
     let tmp = dir.join(format!(".tmp-{}-{nanos}", std::process::id()));
     if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, path).is_ok() {
         return;

@@ -19,23 +19,48 @@ use half::bf16;
 /// `out[t, :] = f32(table[ids[t], :])`. Shapes: `table` `[vocab, h]` (its length gives `vocab`),
 /// `ids` `[T]`, `out` `[T, h]`. An id `>= vocab` yields a row of zeros (the host validates ids
 /// earlier; the kernel only refuses to read out of bounds).
-pub fn embedding(gpu: &Gpu, table: &CudaView<'_, bf16>, ids: &CudaView<'_, u32>, out: &mut CudaViewMut<'_, f32>) -> Result<()> {
+pub fn embedding(
+    gpu: &Gpu,
+    table: &CudaView<'_, bf16>,
+    ids: &CudaView<'_, u32>,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
     let t = ids.len();
     if t == 0 {
         return Ok(());
     }
-    check(out.len().is_multiple_of(t) && out.len() >= t, || format!("out ({}) is not [{t}, h]", out.len()))?;
+    check(out.len().is_multiple_of(t) && out.len() >= t, || {
+        format!("out ({}) is not [{t}, h]", out.len())
+    })?;
     let h = out.len() / t;
-    check(h > 0 && table.len().is_multiple_of(h), || format!("table ({}) is not [vocab, {h}]", table.len()))?;
+    check(h > 0 && table.len().is_multiple_of(h), || {
+        format!("table ({}) is not [vocab, {h}]", table.len())
+    })?;
     let vocab = table.len() / h;
     let s = gpu.stream();
     let vec = h.is_multiple_of(8) && aligned(&[addr(table, s), addr(out, s)], 16);
-    let (vocab, h_i, vec) = (to_i32("vocab", vocab)?, to_i32("hidden", h)?, i32::from(vec));
+    let (vocab, h_i, vec) = (
+        to_i32("vocab", vocab)?,
+        to_i32("hidden", h)?,
+        i32::from(vec),
+    );
     let threads = 128usize;
-    check(t <= i32::MAX as usize, || format!("{t} rows exceed the grid"))?;
-    let cfg = LaunchConfig { grid_dim: (t as u32, blocks(h, 8 * threads), 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
+    check(t <= i32::MAX as usize, || {
+        format!("{t} rows exceed the grid")
+    })?;
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, blocks(h, 8 * threads), 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut launch = s.launch_builder(gpu.func(Kernel::Embedding));
-    launch.arg(table).arg(ids).arg(out).arg(&vocab).arg(&h_i).arg(&vec);
+    launch
+        .arg(table)
+        .arg(ids)
+        .arg(out)
+        .arg(&vocab)
+        .arg(&h_i)
+        .arg(&vec);
     // SAFETY: argument types match `embedding` in elementwise.cu; `out` holds T*h elements, the
     // kernel reads table rows only for ids < vocab = table.len()/h.
     unsafe { launch.launch(cfg) }?;
@@ -55,7 +80,9 @@ pub fn rms_norm(
     out: &mut CudaViewMut<'_, bf16>,
 ) -> Result<()> {
     let h = weight.len();
-    check(h > 0 && x.len().is_multiple_of(h), || format!("x ({}) is not [T, {h}]", x.len()))?;
+    check(h > 0 && x.len().is_multiple_of(h), || {
+        format!("x ({}) is not [T, {h}]", x.len())
+    })?;
     let t = x.len() / h;
     if t == 0 {
         return Ok(());
@@ -73,11 +100,24 @@ pub fn rms_norm(
         && aligned(&[addr(x, s), delta], 16)
         && aligned(&[addr(weight, s), addr(out, s)], 8);
     let (h_i, vec) = (to_i32("hidden", h)?, i32::from(vec));
-    check(t <= i32::MAX as usize, || format!("{t} rows exceed the grid"))?;
+    check(t <= i32::MAX as usize, || {
+        format!("{t} rows exceed the grid")
+    })?;
     let threads = if h >= 4096 { 1024 } else { 256 };
-    let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut launch = s.launch_builder(gpu.func(Kernel::RmsNorm));
-    launch.arg(x).arg(&delta).arg(weight).arg(out).arg(&h_i).arg(&eps).arg(&vec);
+    launch
+        .arg(x)
+        .arg(&delta)
+        .arg(weight)
+        .arg(out)
+        .arg(&h_i)
+        .arg(&eps)
+        .arg(&vec);
     // SAFETY: argument types match `rms_norm` in elementwise.cu (`delta` is a device address or
     // 0 = null); every buffer holds T*h (weight h) elements.
     unsafe { launch.launch(cfg) }?;
@@ -98,15 +138,29 @@ pub fn rope(
     row_stride: usize,
 ) -> Result<()> {
     let t = positions.len();
-    check(head_dim > 0 && head_dim.is_multiple_of(2), || format!("head_dim {head_dim} must be even"))?;
-    check(num_heads * head_dim <= row_stride, || format!("{num_heads} heads of {head_dim} exceed row_stride {row_stride}"))?;
+    check(head_dim > 0 && head_dim.is_multiple_of(2), || {
+        format!("head_dim {head_dim} must be even")
+    })?;
+    check(num_heads * head_dim <= row_stride, || {
+        format!("{num_heads} heads of {head_dim} exceed row_stride {row_stride}")
+    })?;
     need_len("inv_freq", inv_freq.len(), head_dim / 2)?;
     if t == 0 || num_heads == 0 {
         return Ok(());
     }
-    need_len("qkv", qkv.len(), (t - 1) * row_stride + num_heads * head_dim)?;
-    let (heads_i, hd_i, stride_i) = (to_i32("num_heads", num_heads)?, to_i32("head_dim", head_dim)?, to_i32("row_stride", row_stride)?);
-    check(t <= i32::MAX as usize, || format!("{t} rows exceed the grid"))?;
+    need_len(
+        "qkv",
+        qkv.len(),
+        (t - 1) * row_stride + num_heads * head_dim,
+    )?;
+    let (heads_i, hd_i, stride_i) = (
+        to_i32("num_heads", num_heads)?,
+        to_i32("head_dim", head_dim)?,
+        to_i32("row_stride", row_stride)?,
+    );
+    check(t <= i32::MAX as usize, || {
+        format!("{t} rows exceed the grid")
+    })?;
     let cfg = LaunchConfig {
         grid_dim: (t as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -114,7 +168,13 @@ pub fn rope(
     };
     let s = gpu.stream();
     let mut launch = s.launch_builder(gpu.func(Kernel::Rope));
-    launch.arg(qkv).arg(positions).arg(inv_freq).arg(&heads_i).arg(&hd_i).arg(&stride_i);
+    launch
+        .arg(qkv)
+        .arg(positions)
+        .arg(inv_freq)
+        .arg(&heads_i)
+        .arg(&hd_i)
+        .arg(&stride_i);
     // SAFETY: argument types match `rope` in elementwise.cu; qkv holds every rotated column of
     // every row, inv_freq head_dim/2 values; shared memory holds head_dim floats (cos, sin).
     unsafe { launch.launch(cfg) }?;
@@ -123,20 +183,33 @@ pub fn rope(
 
 /// `out[t, i] = bf16(silu(gate_up[t, i]) * gate_up[t, inter + i])` in f32. Shapes: `gate_up`
 /// `[T, 2*inter]`, `out` `[T, inter]`, `T = gate_up.len() / (2*inter)`.
-pub fn silu_mul(gpu: &Gpu, gate_up: &CudaView<'_, bf16>, out: &mut CudaViewMut<'_, bf16>, inter: usize) -> Result<()> {
-    check(inter > 0 && gate_up.len().is_multiple_of(2 * inter), || format!("gate_up ({}) is not [T, 2*{inter}]", gate_up.len()))?;
+pub fn silu_mul(
+    gpu: &Gpu,
+    gate_up: &CudaView<'_, bf16>,
+    out: &mut CudaViewMut<'_, bf16>,
+    inter: usize,
+) -> Result<()> {
+    check(inter > 0 && gate_up.len().is_multiple_of(2 * inter), || {
+        format!("gate_up ({}) is not [T, 2*{inter}]", gate_up.len())
+    })?;
     let t = gate_up.len() / (2 * inter);
     if t == 0 {
         return Ok(());
     }
     need_len("out", out.len(), t * inter)?;
-    check(t <= i32::MAX as usize, || format!("{t} rows exceed the grid"))?;
+    check(t <= i32::MAX as usize, || {
+        format!("{t} rows exceed the grid")
+    })?;
     to_i32("2 * inter", 2 * inter)?;
     let s = gpu.stream();
     let vec = inter.is_multiple_of(8) && aligned(&[addr(gate_up, s), addr(out, s)], 16);
     let (inter_i, vec) = (inter as i32, i32::from(vec));
     let threads = 128usize;
-    let cfg = LaunchConfig { grid_dim: (t as u32, blocks(inter, 8 * threads), 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, blocks(inter, 8 * threads), 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut launch = s.launch_builder(gpu.func(Kernel::SiluMul));
     launch.arg(gate_up).arg(out).arg(&inter_i).arg(&vec);
     // SAFETY: argument types match `silu_mul` in elementwise.cu; gate_up holds T*2*inter and out
@@ -151,7 +224,10 @@ pub fn silu_mul(gpu: &Gpu, gate_up: &CudaView<'_, bf16>, out: &mut CudaViewMut<'
 /// `[num_blocks][2][kv_heads][block_size][head_dim]` bf16 as in [`PagedLayout`]. A slot whose block
 /// is `>= num_blocks` is skipped by the kernel. `k_col`, `row_stride` and `head_dim` must be
 /// multiples of 8 and the buffers 16-byte aligned (the copies are 16 bytes wide).
-#[expect(clippy::too_many_arguments, reason = "the engine-facing signature is fixed")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the engine-facing signature is fixed"
+)]
 pub fn write_kv(
     gpu: &Gpu,
     qkv: &CudaView<'_, bf16>,
@@ -163,11 +239,24 @@ pub fn write_kv(
     row_stride: usize,
 ) -> Result<()> {
     let t = slots.len();
-    let PagedLayout { block_size, num_kv_heads, head_dim } = *layout;
-    check(head_dim > 0 && head_dim.is_multiple_of(8), || format!("head_dim {head_dim} must be a multiple of 8"))?;
-    check(block_size > 0 && num_kv_heads > 0, || "block_size and num_kv_heads must be positive".into())?;
-    check(k_col.is_multiple_of(8) && row_stride.is_multiple_of(8), || format!("k_col {k_col} and row_stride {row_stride} must be multiples of 8"))?;
-    check(k_col + 2 * num_kv_heads * head_dim <= row_stride, || format!("K and V columns from {k_col} exceed row_stride {row_stride}"))?;
+    let PagedLayout {
+        block_size,
+        num_kv_heads,
+        head_dim,
+    } = *layout;
+    check(head_dim > 0 && head_dim.is_multiple_of(8), || {
+        format!("head_dim {head_dim} must be a multiple of 8")
+    })?;
+    check(block_size > 0 && num_kv_heads > 0, || {
+        "block_size and num_kv_heads must be positive".into()
+    })?;
+    check(
+        k_col.is_multiple_of(8) && row_stride.is_multiple_of(8),
+        || format!("k_col {k_col} and row_stride {row_stride} must be multiples of 8"),
+    )?;
+    check(k_col + 2 * num_kv_heads * head_dim <= row_stride, || {
+        format!("K and V columns from {k_col} exceed row_stride {row_stride}")
+    })?;
     need_len("cache", cache.len(), num_blocks * layout.block_elems())?;
     to_i32("num_blocks * block_size", num_blocks * block_size)?;
     if t == 0 {
@@ -175,8 +264,12 @@ pub fn write_kv(
     }
     need_len("qkv", qkv.len(), t * row_stride)?;
     let s = gpu.stream();
-    check(aligned(&[addr(qkv, s), addr(cache, s)], 16), || "qkv and cache must be 16-byte aligned".into())?;
-    check(t <= i32::MAX as usize, || format!("{t} rows exceed the grid"))?;
+    check(aligned(&[addr(qkv, s), addr(cache, s)], 16), || {
+        "qkv and cache must be 16-byte aligned".into()
+    })?;
+    check(t <= i32::MAX as usize, || {
+        format!("{t} rows exceed the grid")
+    })?;
     let args = [
         to_i32("num_blocks", num_blocks)?,
         to_i32("block_size", block_size)?,
@@ -185,7 +278,11 @@ pub fn write_kv(
         to_i32("k_col", k_col)?,
         to_i32("row_stride", row_stride)?,
     ];
-    let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut launch = s.launch_builder(gpu.func(Kernel::WriteKv));
     launch.arg(qkv).arg(slots).arg(cache);
     for a in &args {

@@ -60,7 +60,9 @@ impl From<cudarc::nvrtc::result::NvrtcError> for GpuError {
 /// `BadShape` unless `have >= need` (buffers may be larger than a launch needs).
 pub(crate) fn need_len(what: &str, have: usize, need: usize) -> Result<()> {
     if have < need {
-        return Err(GpuError::BadShape(format!("{what} holds {have} elements, the launch needs {need}")));
+        return Err(GpuError::BadShape(format!(
+            "{what} holds {have} elements, the launch needs {need}"
+        )));
     }
     Ok(())
 }
@@ -72,5 +74,9 @@ pub(crate) fn to_i32(what: &str, v: usize) -> Result<i32> {
 
 /// `BadShape(msg)` unless `ok`.
 pub(crate) fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
-    if ok { Ok(()) } else { Err(GpuError::BadShape(msg())) }
+    if ok {
+        Ok(())
+    } else {
+        Err(GpuError::BadShape(msg()))
+    }
 }

@@ -32,7 +32,15 @@ pub enum GemmOut<'a> {
 
 /// `out[m, n] (+)= x[m, k] · w[n, k]ᵀ`, row-major; `w` in the HF `[out, in]` layout. Buffers must
 /// hold at least `m*k`, `n*k` and `m*n` elements; sizes must fit in `i32`. `m == 0` is a no-op.
-pub fn gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, out: GemmOut<'_>, m: usize, n: usize, k: usize) -> Result<()> {
+pub fn gemm(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    w: &CudaView<'_, bf16>,
+    out: GemmOut<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<()> {
     need_len("x", x.len(), m * k)?;
     need_len("w", w.len(), n * k)?;
     let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
@@ -53,7 +61,12 @@ pub fn gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, out: Gemm
         GemmOut::F32 { out: o, accumulate } => {
             need_len("out", o.len(), m * n)?;
             let (p, g) = o.device_ptr_mut(s);
-            (p, cudaDataType::CUDA_R_32F, if accumulate { 1.0f32 } else { 0.0 }, g)
+            (
+                p,
+                cudaDataType::CUDA_R_32F,
+                if accumulate { 1.0f32 } else { 0.0 },
+                g,
+            )
         }
     };
     // SAFETY: the handle is live and bound to this stream; A (w) holds n*k, B (x) m*k and C m*n

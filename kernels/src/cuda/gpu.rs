@@ -12,7 +12,10 @@
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr,
+    ValidAsZeroBits,
+};
 use cudarc::nvrtc::Ptx;
 
 use super::compile;
@@ -39,7 +42,14 @@ pub struct Gpu {
 }
 
 fn library_present(present: bool, lib: &'static str, hint: &str) -> Result<()> {
-    if present { Ok(()) } else { Err(GpuError::NoLibrary { lib, hint: hint.to_string() }) }
+    if present {
+        Ok(())
+    } else {
+        Err(GpuError::NoLibrary {
+            lib,
+            hint: hint.to_string(),
+        })
+    }
 }
 
 impl Gpu {
@@ -64,7 +74,9 @@ impl Gpu {
 
         let count = CudaContext::device_count()?;
         if ordinal >= count.max(0) as usize {
-            return Err(GpuError::Driver(format!("device {ordinal} requested, {count} present")));
+            return Err(GpuError::Driver(format!(
+                "device {ordinal} requested, {count} present"
+            )));
         }
         let ctx = CudaContext::new(ordinal)?;
         // SAFETY: no CudaSlice exists yet, and all our work runs on the one stream created below,
@@ -83,16 +95,30 @@ impl Gpu {
             // SAFETY: the handle is live; the workspace is a device allocation of the stated size
             // that lives as long as the handle (field order in `Gpu`).
             unsafe {
-                cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut std::ffi::c_void, CUBLAS_WORKSPACE_BYTES)
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
             }
             .result()?;
         }
-        Ok(Gpu { blas, _blas_workspace: workspace, kernels, _module: module, stream, ctx, compute_capability })
+        Ok(Gpu {
+            blas,
+            _blas_workspace: workspace,
+            kernels,
+            _module: module,
+            stream,
+            ctx,
+            compute_capability,
+        })
     }
 
     /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
     pub fn name(&self) -> String {
-        self.ctx.name().unwrap_or_else(|_| "unknown CUDA device".to_string())
+        self.ctx
+            .name()
+            .unwrap_or_else(|_| "unknown CUDA device".to_string())
     }
 
     /// The device ordinal.
@@ -128,7 +154,11 @@ impl Gpu {
 
     /// Copies `host` into the first `host.len()` elements of `dst` (`BadShape` if `dst` is
     /// shorter). Returns once `host` may be reused.
-    pub fn upload_into<T: DeviceRepr>(&self, host: &[T], dst: &mut CudaViewMut<'_, T>) -> Result<()> {
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
         need_len("upload destination", dst.len(), host.len())?;
         if host.is_empty() {
             return Ok(());
@@ -138,7 +168,10 @@ impl Gpu {
     }
 
     /// Waits for the stream, then returns a copy of `dev`.
-    pub fn download<T: DeviceRepr + Default + Clone>(&self, dev: &CudaView<'_, T>) -> Result<Vec<T>> {
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaView<'_, T>,
+    ) -> Result<Vec<T>> {
         let mut host = vec![T::default(); dev.len()];
         if !host.is_empty() {
             self.stream.memcpy_dtoh(dev, &mut host)?;

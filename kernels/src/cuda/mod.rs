@@ -29,9 +29,13 @@ mod gpu;
 mod kernel;
 mod sampling;
 
-pub use attention::{AttnMeta, AttnShape, decode_attention, decode_workspace_len, prefill_attention};
+pub use attention::{
+    AttnMeta, AttnShape, decode_attention, decode_workspace_len, prefill_attention,
+};
 pub use compile::{cache_dir, compile, compile_source, nvrtc_version};
-pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+pub use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits,
+};
 pub use elementwise::{embedding, rms_norm, rope, silu_mul, write_kv};
 pub use error::{GpuError, Result};
 pub use gemm::{GemmOut, gemm};

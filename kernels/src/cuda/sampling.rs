@@ -54,7 +54,10 @@ unsafe impl DeviceRepr for SampleParams {}
 /// `pen_tokens[pen_offsets[r]..pen_offsets[r+1]]` (each DISTINCT token of prompt ∪ output once) with
 /// `pen_counts` their occurrences in the output (0 = prompt only); `out_tokens`, `out_logprobs`
 /// `[R]`. Offsets are clamped to `pen_tokens` on the device; ids outside the vocabulary are ignored.
-#[expect(clippy::too_many_arguments, reason = "the engine-facing signature is fixed")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the engine-facing signature is fixed"
+)]
 pub fn sample(
     gpu: &Gpu,
     logits: &mut CudaViewMut<'_, f32>,
@@ -78,8 +81,14 @@ pub fn sample(
     if rows == 0 {
         return Ok(());
     }
-    check(rows <= i32::MAX as usize, || format!("{rows} rows exceed the grid"))?;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: SAMPLE_SMEM as u32 };
+    check(rows <= i32::MAX as usize, || {
+        format!("{rows} rows exceed the grid")
+    })?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: SAMPLE_SMEM as u32,
+    };
     let mut launch = gpu.stream().launch_builder(gpu.func(Kernel::Sample));
     launch
         .arg(logits)
