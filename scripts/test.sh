@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Runs every test tandem has, installing what they need on a fresh Debian machine first:
-# system packages (scripts/install-deps.sh: python3 + pip, protoc, etcd), the Rust workspace build,
+# system packages (scripts/install-deps.sh: python3 + pip, protoc, etcd), NVRTC (scripts/fetch-nvrtc.sh),
+# the Rust workspace build,
 # and the model itself (SmolLM2-135M-Instruct, imported once into the model cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/install-deps.sh
+# NVRTC (from PyPI, no GPU needed) so the kernel-compile test builds every CUDA kernel here; tests
+# that need a GPU are #[ignore]d and run on the device machine through scripts/device-check.sh.
+nvrtc_lib="$(scripts/fetch-nvrtc.sh | tail -1)"
+export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 cargo build --workspace --all-targets --locked
 ./target/debug/tandem model pull smollm2-135m-instruct

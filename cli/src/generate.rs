@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
+use tandem_engine::Device;
 use tandem_engine::engine::{EngineConfig, Prompt};
 use tandem_engine::sampling::SamplingParams;
 use tandem_engine::tokenizer::ChatMessage;
@@ -34,6 +35,17 @@ pub(crate) struct EngineArgs {
     /// Compute threads [default: all cores].
     #[arg(long)]
     pub(crate) threads: Option<usize>,
+    /// Where the model runs: cpu, cuda (GPU 0) or cuda:N (bf16 weights and KV in device memory).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub(crate) device: Device,
+    /// CUDA: the fraction of the GPU's total memory to use; the KV pool gets what weights and
+    /// workspace leave of it (`--kv-cache-mib` sizes the CPU pool only).
+    #[arg(long, default_value_t = 0.9)]
+    pub(crate) gpu_memory_utilization: f32,
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse::<Device>().map_err(|e| e.to_string())
 }
 
 impl EngineArgs {
@@ -57,6 +69,8 @@ impl EngineArgs {
             kv_cache_bytes: self.kv_cache_mib << 20,
             max_num_batched_tokens: self.max_num_batched_tokens,
             enable_prefix_caching: prefix_caching,
+            device: self.device,
+            gpu_memory_utilization: self.gpu_memory_utilization,
             ..EngineConfig::default()
         };
         Ok((dir, cfg))

@@ -4,6 +4,7 @@
 //! errors, 2 for bad command lines, from clap); nothing here panics on user input.
 
 mod bench;
+mod bench_engine;
 mod cluster;
 mod generate;
 mod kv;
@@ -80,6 +81,9 @@ enum BenchCommand {
     Cpu(bench::CpuBenchArgs),
     /// KV-transfer throughput and latency next to a raw loopback socket moving the same bytes.
     Kv(kv::KvBenchArgs),
+    /// The CUDA engine (Llama-3.1-8B geometry, random bf16 weights) against the device's copy
+    /// bandwidth and GEMM rate measured in the same run, and HF transformers on the same GPU.
+    Engine(bench_engine::EngineBenchArgs),
 }
 
 /// Where pulled models live.
@@ -122,6 +126,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Bench(BenchCommand::Cpu(args)) => bench::run_cpu(args),
         Command::Bench(BenchCommand::Kv(args)) => kv::run_bench(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Kv(KvCommand::Conformance(args)) => kv::run_conformance(args),
         Command::Router(args) => cluster::run_router(args),
         Command::Prefill(args) => cluster::run_prefill(args),

@@ -21,8 +21,10 @@ use rand::{Rng, SeedableRng, rngs::SmallRng};
 
 use crate::config::ModelConfig;
 use crate::detok::{IncrementalDetokenizer, StopMatcher, StopOutcome};
-use crate::model::{BatchChunk, KvCache, Model};
-use crate::sampling::{Sampler, SamplingParams, sequence_seed};
+use crate::model::backend::{Backend, CudaSizing, DeviceSample, LayerObserver, Logits};
+use crate::model::TransferMemory;
+use crate::model::{BatchChunk, CudaModel, Device, KvCache};
+use crate::sampling::{SampledToken, Sampler, SamplingParams, penalty_history, sequence_seed};
 use crate::kv::{BlockCopy, BlockId};
 use crate::sched::{NewRequest, RemoteAlloc, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
 use crate::tokenizer::{ChatMessage, Tokenizer};
@@ -45,6 +47,11 @@ pub struct EngineConfig {
     pub max_model_len: Option<usize>,
     /// Reuse cached KV blocks of identical prompt prefixes.
     pub enable_prefix_caching: bool,
+    /// Where the model runs.
+    pub device: Device,
+    /// CUDA: the fraction of the GPU's total memory this engine may use (weights, workspace
+    /// and the KV pool, which takes what is left); `kv_cache_bytes` applies to the CPU only.
+    pub gpu_memory_utilization: f32,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +64,8 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 2048,
             max_model_len: None,
             enable_prefix_caching: true,
+            device: Device::Cpu,
+            gpu_memory_utilization: 0.9,
         }
     }
 }
@@ -169,15 +178,16 @@ struct RequestState {
     scheduled: bool,
     /// Prefill role: the blocks kept for the KV transfer after the prefill finished.
     held: Option<Vec<BlockId>>,
+    /// Decode role: the blocks a KV transfer writes (uploaded to the device at `kv_ready`).
+    received: Vec<u32>,
 }
 
 /// One model instance with its KV pool, scheduler and live requests.
 pub struct Engine {
     cfg: EngineConfig,
     max_model_len: usize,
-    model: Model,
+    backend: Backend,
     tokenizer: Tokenizer,
-    kv: KvCache,
     sched: Scheduler,
     requests: HashMap<RequestId, RequestState>,
     next_id: u64,
@@ -196,20 +206,59 @@ impl Engine {
                 model_cfg.vocab_size
             )));
         }
-        let model = Model::load(dir, &model_cfg)?;
-        Self::with_parts(model, tokenizer, cfg)
-    }
-
-    fn with_parts(model: Model, tokenizer: Tokenizer, cfg: EngineConfig) -> Result<Self> {
-        let model_cfg = model.config().clone();
         if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
             return Err(Error::Config("block_size, max_num_seqs and max_num_batched_tokens must be positive".into()));
         }
-        let max_model_len = cfg.max_model_len.unwrap_or(model_cfg.max_position_embeddings).min(model_cfg.max_position_embeddings);
-        let num_blocks = cfg.kv_cache_bytes / KvCache::bytes_per_block(&model_cfg, cfg.block_size);
-        if num_blocks == 0 {
-            return Err(Error::Config(format!("kv_cache_bytes {} is smaller than one KV block", cfg.kv_cache_bytes)));
+        let backend = match cfg.device {
+            Device::Cpu => Backend::load_cpu(dir, &model_cfg, cfg.kv_cache_bytes, cfg.block_size)?,
+            Device::Cuda { ordinal } => {
+                let sizing = Self::cuda_sizing(&cfg, &model_cfg, ordinal);
+                Backend::Cuda(Box::new(CudaModel::load(dir, &model_cfg, sizing)?))
+            }
+        };
+        Self::with_backend(backend, tokenizer, cfg)
+    }
+
+    /// An engine over random weights of geometry `model_cfg` (CUDA only: benchmarks of large
+    /// geometries without their checkpoints), with `tokenizer` for detokenizing.
+    pub fn with_random_weights(model_cfg: &ModelConfig, tokenizer: Tokenizer, cfg: EngineConfig, seed: u64) -> Result<Self> {
+        if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
+            return Err(Error::Config("block_size, max_num_seqs and max_num_batched_tokens must be positive".into()));
         }
+        if tokenizer.vocab_size() > model_cfg.vocab_size {
+            return Err(Error::Tokenizer(format!(
+                "the tokenizer has {} tokens but the model only {} embeddings",
+                tokenizer.vocab_size(),
+                model_cfg.vocab_size
+            )));
+        }
+        let Device::Cuda { ordinal } = cfg.device else {
+            return Err(Error::Device("random weights are for the CUDA backend's benchmarks".into()));
+        };
+        let sizing = Self::cuda_sizing(&cfg, model_cfg, ordinal);
+        let backend = Backend::Cuda(Box::new(CudaModel::random(model_cfg, sizing, seed)?));
+        Self::with_backend(backend, tokenizer, cfg)
+    }
+
+    fn cuda_sizing(cfg: &EngineConfig, model_cfg: &ModelConfig, ordinal: usize) -> CudaSizing {
+        CudaSizing {
+            ordinal,
+            block_size: cfg.block_size,
+            memory_utilization: cfg.gpu_memory_utilization,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_num_seqs: cfg.max_num_seqs,
+            max_model_len: Self::context_limit(cfg, model_cfg),
+        }
+    }
+
+    fn context_limit(cfg: &EngineConfig, model_cfg: &ModelConfig) -> usize {
+        cfg.max_model_len.unwrap_or(model_cfg.max_position_embeddings).min(model_cfg.max_position_embeddings)
+    }
+
+    fn with_backend(backend: Backend, tokenizer: Tokenizer, cfg: EngineConfig) -> Result<Self> {
+        let model_cfg = backend.config().clone();
+        let max_model_len = Self::context_limit(&cfg, &model_cfg);
+        let num_blocks = backend.num_blocks();
         let sched = Scheduler::new(SchedulerConfig {
             role: cfg.role,
             block_size: cfg.block_size,
@@ -221,10 +270,9 @@ impl Engine {
         });
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         Ok(Engine {
-            kv: KvCache::new(&model_cfg, num_blocks, cfg.block_size),
             cfg,
             max_model_len,
-            model,
+            backend,
             tokenizer,
             sched,
             requests: HashMap::new(),
@@ -240,7 +288,7 @@ impl Engine {
 
     /// The model's configuration.
     pub fn model_config(&self) -> &ModelConfig {
-        self.model.config()
+        self.backend.config()
     }
 
     /// The engine's configuration.
@@ -258,14 +306,34 @@ impl Engine {
         &self.sched
     }
 
-    /// The KV cache (read-only), e.g. to send a held request's blocks.
-    pub fn kv_cache(&self) -> &KvCache {
-        &self.kv
+    /// Where the model runs.
+    pub fn device(&self) -> Device {
+        self.cfg.device
     }
 
-    /// The KV cache, e.g. to write received blocks into place.
-    pub fn kv_cache_mut(&mut self) -> &mut KvCache {
-        &mut self.kv
+    /// Free device memory in bytes (CUDA backend); `None` on the CPU or if the driver cannot say.
+    pub fn device_free_memory(&self) -> Option<usize> {
+        self.backend.device_mem_info().map(|(free, _)| free)
+    }
+
+    /// The host memory KV transfers read and write: the CPU cache itself, or on CUDA a host
+    /// mirror of the pool (allocated on the first call) that prefill steps observed through
+    /// [`Self::step_observed`] copy completing prompts into layer by layer and that
+    /// [`Self::kv_ready`] uploads received blocks from.
+    pub fn transfer_memory(&mut self) -> TransferMemory {
+        self.backend.transfer_memory()
+    }
+
+    /// The host KV cache (read-only), e.g. to send a held request's blocks; `None` when the
+    /// cache lives in device memory.
+    pub fn kv_cache(&self) -> Option<&KvCache> {
+        self.backend.host_kv()
+    }
+
+    /// The host KV cache, e.g. to write received blocks into place; `None` when the cache lives
+    /// in device memory.
+    pub fn kv_cache_mut(&mut self) -> Option<&mut KvCache> {
+        self.backend.host_kv_mut()
     }
 
     /// Turns a prompt into token ids.
@@ -277,7 +345,7 @@ impl Engine {
                 self.tokenizer.encode(&text, false)
             }
             Prompt::Tokens(ids) => {
-                let vocab = self.model.config().vocab_size;
+                let vocab = self.backend.config().vocab_size;
                 match ids.iter().find(|&&t| t as usize >= vocab) {
                     Some(bad) => Err(Error::Tokenizer(format!("token id {bad} is outside the vocabulary of {vocab}"))),
                     None => Ok(ids.clone()),
@@ -299,7 +367,7 @@ impl Engine {
         if prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        let vocab = self.model.config().vocab_size;
+        let vocab = self.backend.config().vocab_size;
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::Tokenizer(format!("token id {bad} is outside the vocabulary of {vocab}")));
         }
@@ -339,7 +407,7 @@ impl Engine {
         let seed = params.seed.unwrap_or_else(|| self.rng.random());
         let first = SeqState::new(&params, &prompt, seed, 0);
         let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
-        (id, RequestState { params, prompt, seqs: vec![first], seed, usage, scheduled: false, held: None })
+        (id, RequestState { params, prompt, seqs: vec![first], seed, usage, scheduled: false, held: None, received: Vec::new() })
     }
 
     /// Validates and queues a request; returns its id.
@@ -365,6 +433,7 @@ impl Engine {
         })?;
         state.usage.cached_tokens = alloc.num_cached_tokens;
         state.scheduled = true;
+        state.received = alloc.block_table[alloc.num_cached_tokens / self.cfg.block_size..].iter().map(|b| b.0).collect();
         self.requests.insert(id, state);
         Ok((id, alloc))
     }
@@ -382,6 +451,8 @@ impl Engine {
         if req.params.n != 1 {
             return Err(Error::InvalidSampling("remote prefill serves n = 1 only".into()));
         }
+        let received = std::mem::take(&mut req.received);
+        self.backend.receive_blocks(&received)?;
         self.sched.kv_ready(id, first_token)?;
         let mut outputs = Vec::new();
         self.accept_token(SeqId { request: id, index: 0 }, first_token, logprob, &mut outputs)?;
@@ -429,7 +500,7 @@ impl Engine {
     fn run_step(&mut self, obs: Option<&mut dyn StepObserver>) -> Result<Vec<SeqOutput>> {
         let schedule = self.sched.schedule();
         for &BlockCopy { src, dst } in &schedule.copies {
-            self.kv.copy_block(src.0, dst.0);
+            self.backend.copy_block(src.0, dst.0)?;
         }
         if schedule.chunks.is_empty() {
             return Ok(Vec::new());
@@ -448,7 +519,7 @@ impl Engine {
             .map(|(c, t)| BatchChunk { tokens: &c.tokens, start_pos: c.start_pos, block_table: t, want_logits: c.sample })
             .collect();
         let logits = match obs {
-            None => self.model.forward(&batch, &mut self.kv)?,
+            None => self.backend.forward(&batch, None)?,
             Some(obs) => {
                 let ready: Vec<PrefillReady> = if self.cfg.role == Role::Prefill {
                     schedule
@@ -465,37 +536,83 @@ impl Engine {
                     Vec::new()
                 };
                 obs.prefill_completing(&ready);
-                self.model.forward_observed(&batch, &mut self.kv, &mut |layer, kv| obs.layer_done_with_kv(layer, kv))?
+                let stage: Vec<u32> = ready.iter().flat_map(|r| r.block_table.iter().map(|b| b.0)).collect();
+                let mut on_layer = |layer: usize, kv: Option<&KvCache>| match kv {
+                    Some(kv) => obs.layer_done_with_kv(layer, kv),
+                    None => obs.layer_done(layer),
+                };
+                self.backend.forward(&batch, Some(LayerObserver { stage: &stage, on_layer: &mut on_layer }))?
             }
         };
-        let vocab = self.model.config().vocab_size;
-        let mut outputs = Vec::new();
+
+        // Who draws from which logits row: a forking group (n > 1) draws all its sequences from
+        // the one row of its prompt.
+        let mut draws: Vec<(usize, SeqId)> = Vec::new();
+        let mut chunk_draws: Vec<(SeqId, std::ops::Range<usize>)> = Vec::new();
         for (row, chunk) in schedule.chunks.iter().filter(|c| c.sample).enumerate() {
-            let logits_row = &logits[row * vocab..(row + 1) * vocab];
             let Some(req) = self.requests.get_mut(&chunk.seq.request) else { continue };
-            let mut sampled = Vec::with_capacity(chunk.num_samples);
+            let first = draws.len();
             if chunk.num_samples > 1 {
                 // The group forks here: children 1..n start from child 0's state.
                 while req.seqs.len() < chunk.num_samples {
                     let index = req.seqs.len() as u32;
                     req.seqs.push(SeqState::new(&req.params, &req.prompt, req.seed, index));
                 }
-                for seq in req.seqs.iter_mut().take(chunk.num_samples) {
-                    sampled.push(seq.sampler.sample(logits_row, &req.prompt, &seq.output));
-                }
+                draws.extend((0..chunk.num_samples as u32).map(|index| (row, SeqId { request: chunk.seq.request, index })));
             } else {
-                let seq = &mut req.seqs[chunk.seq.index as usize];
-                sampled.push(seq.sampler.sample(logits_row, &req.prompt, &seq.output));
+                draws.push((row, chunk.seq));
             }
-            let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
-            self.sched.on_sampled(chunk.seq, &tokens);
-            for (i, s) in sampled.into_iter().enumerate() {
-                let index = if chunk.num_samples > 1 { i as u32 } else { chunk.seq.index };
-                let lp = TokenLogprob { token: s.token, logprob: s.logprob, top: s.top_logprobs };
-                self.accept_token(SeqId { request: chunk.seq.request, index }, s.token, Some(lp), &mut outputs)?;
+            chunk_draws.push((chunk.seq, first..draws.len()));
+        }
+        let sampled = self.draw(&logits, &draws)?;
+        let mut outputs = Vec::new();
+        for (seq, range) in chunk_draws {
+            let tokens: Vec<u32> = sampled[range.clone()].iter().map(|s| s.token).collect();
+            self.sched.on_sampled(seq, &tokens);
+            for (i, s) in range.clone().zip(&sampled[range]) {
+                let lp = TokenLogprob { token: s.token, logprob: s.logprob, top: s.top_logprobs.clone() };
+                self.accept_token(draws[i].1, s.token, Some(lp), &mut outputs)?;
             }
         }
         Ok(outputs)
+    }
+
+    /// Samples every `(logits row, sequence)` draw: on the host through each sequence's
+    /// sampler, or on the device with each sampler's step parameters (same pipeline, same RNG
+    /// draws).
+    fn draw(&mut self, logits: &Logits, draws: &[(usize, SeqId)]) -> Result<Vec<SampledToken>> {
+        let vocab = self.backend.config().vocab_size;
+        let mut out = Vec::with_capacity(draws.len());
+        match logits {
+            Logits::Host(logits) => {
+                for &(row, seq_id) in draws {
+                    let req = self.requests.get_mut(&seq_id.request).ok_or(Error::UnknownRequest(seq_id.request.0))?;
+                    let seq = &mut req.seqs[seq_id.index as usize];
+                    out.push(seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab], &req.prompt, &seq.output));
+                }
+            }
+            Logits::Device => {
+                let mut samples = Vec::with_capacity(draws.len());
+                for &(row, seq_id) in draws {
+                    let req = self.requests.get_mut(&seq_id.request).ok_or(Error::UnknownRequest(seq_id.request.0))?;
+                    let seq = &mut req.seqs[seq_id.index as usize];
+                    let step = seq.sampler.device_step();
+                    let history = if step.penalised { penalty_history(&req.prompt, &seq.output, vocab) } else { Vec::new() };
+                    samples.push(DeviceSample { row, step, history });
+                }
+                for (d, &(_, seq_id)) in self.backend.sample_on_device(&samples)?.into_iter().zip(draws) {
+                    let top_logprobs = match &d.penalised_row {
+                        Some(row) => {
+                            let req = self.requests.get_mut(&seq_id.request).ok_or(Error::UnknownRequest(seq_id.request.0))?;
+                            req.seqs[seq_id.index as usize].sampler.top_logprobs_of_penalised(row)
+                        }
+                        None => Vec::new(),
+                    };
+                    out.push(SampledToken { token: d.token, logprob: d.logprob, top_logprobs });
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Appends a sampled token to a sequence, detokenizes, checks stop conditions and finishes

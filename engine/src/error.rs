@@ -86,6 +86,10 @@ pub enum Error {
     /// The request id is not known to the engine.
     #[error("unknown request {0}")]
     UnknownRequest(u64),
+    /// The device backend could not start or failed (no GPU, a missing CUDA library, a kernel
+    /// that did not compile, device memory exhausted, an unsupported model shape).
+    #[error("device: {0}")]
+    Device(String),
     /// An I/O operation failed.
     #[error("{context}: {source}")]
     Io {

@@ -18,4 +18,5 @@ pub mod weights;
 
 
 pub use engine::Engine;
+pub use model::Device;
 pub use error::{Error, Result};

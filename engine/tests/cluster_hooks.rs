@@ -31,6 +31,7 @@ fn engine(variant: &str, role: Role, max_num_batched_tokens: usize, blocks: usiz
         max_num_batched_tokens,
         max_model_len: None,
         enable_prefix_caching: prefix_caching,
+        ..EngineConfig::default()
     };
     Engine::load(&dir, ecfg).unwrap()
 }
@@ -92,7 +93,7 @@ impl StepObserver for Shipper {
             let skip = alloc.num_cached_tokens / BLOCK;
             for (src, dst) in r.block_table.iter().zip(&alloc.block_table).skip(skip) {
                 let data = kv.block(layer, src.0);
-                self.decode.kv_cache_mut().block_mut(layer, dst.0).copy_from_slice(data);
+                self.decode.kv_cache_mut().unwrap().block_mut(layer, dst.0).copy_from_slice(data);
                 self.copied.push((layer, src.0, data.to_vec()));
             }
         }
@@ -114,7 +115,7 @@ fn observed_step(prefill: &mut Engine, ship: &mut Shipper) -> Vec<tandem_engine:
     };
     assert_eq!(ship.calls, want);
     for (layer, block, data) in &ship.copied {
-        assert_eq!(prefill.kv_cache().block(*layer, *block), data.as_slice(), "layer {layer} of block {block} changed after layer_done");
+        assert_eq!(prefill.kv_cache().unwrap().block(*layer, *block), data.as_slice(), "layer {layer} of block {block} changed after layer_done");
     }
     out
 }
@@ -319,10 +320,10 @@ fn decode_role_prefills_locally_mixed_with_remote_requests() {
     }
     for (src, dst, alloc) in &remotes {
         let held = prefill.held_blocks(*src).unwrap();
-        for layer in 0..prefill.kv_cache().num_layers() {
+        for layer in 0..prefill.kv_cache().unwrap().num_layers() {
             for (s, d) in held.iter().zip(&alloc.block_table).skip(alloc.num_cached_tokens / BLOCK) {
-                let data = prefill.kv_cache().block(layer, s.0).to_vec();
-                decode.kv_cache_mut().block_mut(layer, d.0).copy_from_slice(&data);
+                let data = prefill.kv_cache().unwrap().block(layer, s.0).to_vec();
+                decode.kv_cache_mut().unwrap().block_mut(layer, d.0).copy_from_slice(&data);
             }
         }
         assert!(prefill.release(*src));

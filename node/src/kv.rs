@@ -10,7 +10,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tandem_engine::Engine;
+use tandem_engine::model::KvDType;
+use tandem_engine::{Device, Engine};
 use tandem_kv_transfer::{DType, Geometry, GeometrySpec, KvMemory, Layout, MemoryKind};
 
 use crate::error::NodeError;
@@ -25,12 +26,16 @@ pub fn model_fingerprint(name: &str, model_dir: &Path) -> Result<String, NodeErr
     Ok(id)
 }
 
-/// The geometry of an engine's KV cache.
+/// The geometry of an engine's KV cache as transfers see it (f32 from the CPU engine, bf16 from the
+/// CUDA engine's host mirror).
 pub fn kv_geometry(engine: &Engine, model_id: &str) -> Result<Geometry, NodeError> {
     let cfg = engine.model_config();
     Ok(Geometry::new(GeometrySpec {
         model_id: model_id.to_string(),
-        dtype: DType::F32,
+        dtype: match engine.device() {
+            Device::Cpu => DType::F32,
+            Device::Cuda { .. } => DType::BF16,
+        },
         block_size: engine.config().block_size as u32,
         num_layers: cfg.num_layers as u32,
         num_kv_heads: cfg.num_kv_heads as u32,
@@ -45,13 +50,18 @@ pub fn kv_geometry(engine: &Engine, model_id: &str) -> Result<Geometry, NodeErro
 #[allow(unsafe_code)]
 pub fn register_kv(engine: &mut Engine, model_id: &str) -> Result<Arc<KvMemory>, NodeError> {
     let geometry = kv_geometry(engine, model_id)?;
-    let kv = engine.kv_cache_mut();
-    let num_blocks = kv.num_blocks() as u32;
-    let bases = kv.layer_base_ptrs();
-    // SAFETY: each base points to num_blocks * block_bytes bytes of the engine's host KV cache (same layout
-    // as `geometry`, checked by the engine's KvLayout), valid for the engine's lifetime, which the engine
-    // thread extends past the memory's last other user; blocks under transfer are held by the scheduler
-    // (module invariant).
-    let memory = unsafe { KvMemory::from_raw(geometry, num_blocks, MemoryKind::Host, bases, Box::new(()))? };
+    let mem = engine.transfer_memory();
+    let want = match mem.dtype {
+        KvDType::F32 => DType::F32,
+        KvDType::Bf16 => DType::BF16,
+    };
+    if want != geometry.dtype() {
+        return Err(NodeError::Internal(format!("the engine's transfer memory is {:?} but its geometry says {:?}", mem.dtype, geometry.dtype())));
+    }
+    // SAFETY: each base points to num_blocks * block_bytes bytes of host memory in the paged layout of
+    // `geometry` (the CPU engine's KV cache, or the CUDA engine's host mirror of its pool), allocated once
+    // and valid for the engine's lifetime, which the engine thread extends past the memory's last other
+    // user; blocks under transfer are held by the scheduler (module invariant).
+    let memory = unsafe { KvMemory::from_raw(geometry, mem.num_blocks as u32, MemoryKind::Host, mem.layer_bases, Box::new(()))? };
     Ok(memory)
 }

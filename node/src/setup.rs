@@ -74,7 +74,7 @@ impl NodeCore {
         let vocab_size = engine.model_config().vocab_size;
         let block_size = engine.config().block_size;
         let max_model_len = engine.max_model_len();
-        let num_blocks = engine.kv_cache().num_blocks();
+        let num_blocks = memory.num_blocks() as usize;
         let engine_conn = (role == Role::Prefill).then(|| Arc::clone(&connector));
         let engine = EngineThread::spawn(engine, engine_conn, Some(memory))
             .map_err(|e| NodeError::Internal(format!("starting the engine thread: {e}")))?;

@@ -145,10 +145,10 @@ fn prefill_role_hands_kv_to_decode_role_layer_by_layer() {
     let held = prefill.held_blocks(src).expect("the prefill holds its blocks");
     assert_eq!(held.len(), alloc.block_table.len());
     // Ship every layer's blocks as the wire would: one layer at a time, block by block.
-    for layer in 0..prefill.kv_cache().num_layers() {
+    for layer in 0..prefill.kv_cache().unwrap().num_layers() {
         for (s, d) in held.iter().zip(&alloc.block_table) {
-            let data = prefill.kv_cache().block(layer, s.0).to_vec();
-            decode.kv_cache_mut().block_mut(layer, d.0).copy_from_slice(&data);
+            let data = prefill.kv_cache().unwrap().block(layer, s.0).to_vec();
+            decode.kv_cache_mut().unwrap().block_mut(layer, d.0).copy_from_slice(&data);
         }
     }
     assert!(prefill.release(src));

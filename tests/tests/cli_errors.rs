@@ -170,3 +170,28 @@ fn tiny_model_generates_through_the_cli() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("generated 8 tokens"));
 }
+
+#[test]
+fn bad_or_unavailable_devices() {
+    let err = fails(&["generate", "--device", "gpu", "hi"]);
+    assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
+    let err = fails(&["generate", "--device", "cuda:x", "hi"]);
+    assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
+
+    // A head dim the CUDA kernels are not built for is refused before any GPU is touched.
+    let (_tmp, dir) = tiny_copy();
+    let err = fails(&["generate", "--model", &dir, "--device", "cuda", "hi"]);
+    assert!(err.contains("head_dim 16 is not supported on CUDA"), "{err}");
+
+    // SmolLM2 (head dim 64) on CUDA: without a GPU driver the start-up fails with a typed error
+    // naming the missing library; with one, it generates.
+    let has_driver = Path::new("/dev/nvidiactl").exists();
+    let args = ["generate", "--device", "cuda", "--max-tokens", "4", "Hello"];
+    if has_driver {
+        let out = run_tandem(&args, Duration::from_secs(300));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    } else {
+        let err = fails(&args);
+        assert!(err.contains("device:") && err.contains("libcuda"), "{err}");
+    }
+}

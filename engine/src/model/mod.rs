@@ -1,4 +1,5 @@
-//! The Llama-family decoder on the CPU: weights as f32, K/V in paged blocks.
+//! The Llama-family decoder: [`Model`] on the CPU (weights as f32, K/V in paged blocks), [`CudaModel`]
+//! on a GPU, and the [`backend`] boundary the engine drives both through.
 //!
 //! One forward pass runs any mix of chunks (prefill chunks of many tokens and decode chunks of one)
 //! as a single flat batch: the projections and the MLP are one GEMM over all tokens; attention runs
@@ -10,8 +11,12 @@
 //! every chunk is written. Layer `l` of the cache is written only while layer `l` runs, so once
 //! reported, nothing later in the pass changes it.
 
+pub(crate) mod backend;
+mod cuda;
 mod kv_cache;
 
+pub use backend::{CudaSizing, Device, KvDType, TransferMemory};
+pub use cuda::{CudaModel, HostKvMirror};
 pub use kv_cache::KvCache;
 
 use std::path::Path;

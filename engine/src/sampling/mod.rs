@@ -21,4 +21,5 @@ mod penalties;
 mod sampler;
 
 pub use params::{MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams};
-pub use sampler::{SampledToken, Sampler, sequence_seed};
+pub use penalties::penalty_history;
+pub use sampler::{DeviceStep, SampledToken, Sampler, sequence_seed};

@@ -90,6 +90,29 @@ pub(crate) fn apply_penalties(
     }
 }
 
+/// The token history a device sampler needs for penalties: every distinct token of
+/// `prompt ∪ output` below `vocab` with its number of occurrences in `output` (0 for tokens only
+/// in the prompt), in first-seen order (prompt first). Repetition applies to every listed token,
+/// presence and frequency to those with a count above 0, exactly as [`apply_penalties`] does.
+pub fn penalty_history(prompt: &[u32], output: &[u32], vocab: usize) -> Vec<(u32, u32)> {
+    let mut index: HashMap<u32, usize> = HashMap::new();
+    let mut list: Vec<(u32, u32)> = Vec::new();
+    for &t in prompt.iter().filter(|&&t| (t as usize) < vocab) {
+        index.entry(t).or_insert_with(|| {
+            list.push((t, 0));
+            list.len() - 1
+        });
+    }
+    for &t in output.iter().filter(|&&t| (t as usize) < vocab) {
+        let i = *index.entry(t).or_insert_with(|| {
+            list.push((t, 0));
+            list.len() - 1
+        });
+        list[i].1 += 1;
+    }
+    list
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +128,24 @@ mod tests {
         presence: 0.0,
         frequency: 0.0,
     };
+
+    /// Applying the listed history the way a device does equals [`apply_penalties`].
+    #[test]
+    fn history_reproduces_apply_penalties() {
+        let pen = Penalties { repetition: 1.3, presence: 0.4, frequency: 0.2 };
+        let logits = [2.0f32, -1.0, 0.5, 3.0, -0.25, 1.0];
+        let (prompt, output) = ([0u32, 0, 3, 9], [1u32, 3, 1, 5, 2]);
+        let want = run(&logits, &prompt, &output, pen);
+        let mut got = logits.to_vec();
+        for (t, count) in penalty_history(&prompt, &output, logits.len()) {
+            let l = &mut got[t as usize];
+            *l = repetition(*l, pen.repetition);
+            if count > 0 {
+                *l -= pen.presence + pen.frequency * count as f32;
+            }
+        }
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn repetition_divides_positive_and_multiplies_negative_once() {

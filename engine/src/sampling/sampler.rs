@@ -46,6 +46,31 @@ pub fn sequence_seed(request_seed: u64, index: usize) -> u64 {
     z ^ (z >> 31)
 }
 
+/// One step's sampling parameters for a device sampler ([`Sampler::device_step`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceStep {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// 0 keeps all.
+    pub top_k: usize,
+    /// 1 keeps all.
+    pub top_p: f32,
+    /// 0 keeps all.
+    pub min_p: f32,
+    /// Repetition penalty (1 is off).
+    pub repetition: f32,
+    /// Presence penalty (0 is off).
+    pub presence: f32,
+    /// Frequency penalty (0 is off).
+    pub frequency: f32,
+    /// The draw in `[0, 1)` (0 for greedy steps, which draw nothing).
+    pub uniform: f64,
+    /// Top logprobs asked for.
+    pub logprobs: usize,
+    /// Whether any penalty is active (the device then needs the token history).
+    pub penalised: bool,
+}
+
 /// Picks tokens for one sequence. Owns its RNG and scratch buffers; create one per sequence.
 #[derive(Debug)]
 pub struct Sampler {
@@ -147,6 +172,46 @@ impl Sampler {
         };
         let token = token.unwrap_or_else(|| argmax(&self.work));
         self.finish(token, lse)
+    }
+
+    /// This step's parameters for a sampler that runs on a device (the CUDA backend), which
+    /// implements the same pipeline. Draws the step's uniform from the sequence's RNG exactly
+    /// when [`Self::sample`] would (non-greedy steps only), so a seeded sequence stays
+    /// reproducible on one device.
+    pub fn device_step(&mut self) -> DeviceStep {
+        let (repetition, presence, frequency) = match self.penalties {
+            Some(p) => (p.repetition, p.presence, p.frequency),
+            None => (1.0, 0.0, 0.0),
+        };
+        let uniform = if self.temperature == 0.0 { 0.0 } else { self.rng.random::<f64>() };
+        DeviceStep {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition,
+            presence,
+            frequency,
+            uniform,
+            logprobs: self.logprobs,
+            penalised: self.penalties.is_some(),
+        }
+    }
+
+    /// The top logprobs of a step a device sampled, from the row after penalties (as the device
+    /// wrote it back): the same distribution [`Self::sample`] reports (temperature-scaled for
+    /// non-greedy steps, before truncation).
+    pub fn top_logprobs_of_penalised(&mut self, penalised: &[f32]) -> Vec<(u32, f32)> {
+        if self.logprobs == 0 {
+            return Vec::new();
+        }
+        self.work.clear();
+        self.work.extend(penalised.iter().map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l.min(f32::MAX) + 0.0 }));
+        if self.temperature != 0.0 {
+            self.scale_by_temperature();
+        }
+        let lse = log_sum_exp(&self.work, &mut self.weights);
+        top_logprobs(&self.work, lse, self.logprobs, &mut self.filter_scratch)
     }
 
     /// Runs top-k → top-p → min-p over the row (`work`, `weights`, whose sum is `total`),

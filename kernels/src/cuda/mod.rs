@@ -26,6 +26,7 @@ mod elementwise;
 mod error;
 mod gemm;
 mod gpu;
+mod graph;
 mod kernel;
 mod sampling;
 
@@ -40,5 +41,6 @@ pub use elementwise::{embedding, rms_norm, rope, silu_mul, write_kv};
 pub use error::{GpuError, Result};
 pub use gemm::{GemmOut, gemm};
 pub use gpu::Gpu;
+pub use graph::{Graph, capture};
 pub use half::bf16;
 pub use sampling::{SampleParams, sample};

@@ -1,0 +1,260 @@
+//! The engine's backend boundary: where forward passes run and where the KV cache lives.
+//!
+//! [`Device`] names a backend; [`Backend`] is the closed set of implementations the engine
+//! drives (`Cpu`: f32 [`Model`] + host [`KvCache`]; `Cuda`: bf16 [`CudaModel`] with its KV pool in
+//! device memory). The engine talks to the backend through four operations: a forward pass over
+//! a batch of chunks, a block copy (copy-on-write), sampling (host logits through the engine's
+//! per-sequence samplers, device logits through [`Backend::sample_on_device`]) and, on the CPU,
+//! the host KV cache for transfers.
+//!
+//! Invariants: both backends take the same [`BatchChunk`]s and keep the same paged layout
+//! (`[num_blocks][K, V][kv_heads][block_size][head_dim]` per layer; f32 on the CPU, bf16 on the
+//! device); a missing GPU or CUDA library is a typed [`Error::Device`] when the engine is built,
+//! never a panic or a silent fall-back to the CPU.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use super::{BatchChunk, CudaModel, KvCache, Model};
+use crate::config::ModelConfig;
+use crate::sampling::DeviceStep;
+use crate::{Error, Result};
+
+/// Where an engine runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend (f32).
+    #[default]
+    Cpu,
+    /// The CUDA backend on GPU `ordinal` (bf16 weights and KV).
+    Cuda {
+        /// The device ordinal (`cuda:N`).
+        ordinal: usize,
+    },
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda { ordinal: 0 }),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(ordinal)) => Ok(Device::Cuda { ordinal }),
+                _ => Err(Error::Device(format!("unknown device {s:?}: expected cpu, cuda or cuda:N"))),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+/// The logits of one forward pass: one row per chunk that wanted logits, in chunk order.
+pub(crate) enum Logits {
+    /// `rows * vocab` f32 on the host.
+    Host(Vec<f32>),
+    /// The rows stay in device memory; sample them with [`Backend::sample_on_device`].
+    Device,
+}
+
+/// One sequence's draw from a device-resident logits row.
+#[derive(Clone, Debug)]
+pub(crate) struct DeviceSample {
+    /// The logits row (chunk order among chunks that wanted logits).
+    pub(crate) row: usize,
+    /// The step's parameters, uniform included.
+    pub(crate) step: DeviceStep,
+    /// Distinct prompt ∪ output tokens with their output counts (empty without penalties).
+    pub(crate) history: Vec<(u32, u32)>,
+}
+
+/// What a device draw produced.
+#[derive(Clone, Debug)]
+pub(crate) struct DeviceSampled {
+    pub(crate) token: u32,
+    pub(crate) logprob: f32,
+    /// The row after penalties, when the step asked for top logprobs.
+    pub(crate) penalised_row: Option<Vec<f32>>,
+}
+
+/// The backends the engine drives (a closed set; see the module doc).
+pub(crate) enum Backend {
+    Cpu { model: Model, kv: KvCache },
+    Cuda(Box<CudaModel>),
+}
+
+/// A forward pass's layer observer: the blocks whose K/V must be readable on the host when a
+/// layer is reported, and the callback (given the CPU cache, or `None` for the CUDA mirror).
+pub(crate) struct LayerObserver<'a> {
+    pub(crate) stage: &'a [u32],
+    pub(crate) on_layer: &'a mut dyn FnMut(usize, Option<&KvCache>),
+}
+
+/// Element type of the KV memory transfers move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDType {
+    /// The CPU engine's f32 cache.
+    F32,
+    /// The CUDA engine's bf16 pool (through its host mirror).
+    Bf16,
+}
+
+/// Host memory holding the KV pool's blocks for transfers: per layer one buffer of
+/// `num_blocks` blocks in the paged layout.
+#[derive(Debug)]
+pub struct TransferMemory {
+    /// Element type.
+    pub dtype: KvDType,
+    /// Blocks per layer.
+    pub num_blocks: usize,
+    /// Base address of each layer's buffer; see [`KvCache::layer_base_ptrs`] for the rules.
+    pub layer_bases: Vec<*mut u8>,
+}
+
+/// How the CUDA backend sizes itself.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaSizing {
+    /// The GPU.
+    pub ordinal: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Fraction of the GPU's total memory to use (weights, workspace, KV pool).
+    pub memory_utilization: f32,
+    /// Most tokens in one forward pass.
+    pub max_num_batched_tokens: usize,
+    /// Most sequences (chunks, logits rows, draws) in one step.
+    pub max_num_seqs: usize,
+    /// Longest context.
+    pub max_model_len: usize,
+}
+
+impl Backend {
+    /// The CPU backend for `dir`, with a pool of `kv_cache_bytes`.
+    pub(crate) fn load_cpu(dir: &Path, cfg: &ModelConfig, kv_cache_bytes: usize, block_size: usize) -> Result<Self> {
+        let num_blocks = kv_cache_bytes / KvCache::bytes_per_block(cfg, block_size);
+        if num_blocks == 0 {
+            return Err(Error::Config(format!("kv_cache_bytes {kv_cache_bytes} is smaller than one KV block")));
+        }
+        let model = Model::load(dir, cfg)?;
+        Ok(Backend::Cpu { kv: KvCache::new(cfg, num_blocks, block_size), model })
+    }
+
+    /// The model's configuration.
+    pub(crate) fn config(&self) -> &ModelConfig {
+        match self {
+            Backend::Cpu { model, .. } => model.config(),
+            Backend::Cuda(m) => m.config(),
+        }
+    }
+
+    /// Blocks in the KV pool.
+    pub(crate) fn num_blocks(&self) -> usize {
+        match self {
+            Backend::Cpu { kv, .. } => kv.num_blocks(),
+            Backend::Cuda(m) => m.num_blocks(),
+        }
+    }
+
+    /// Free and total device memory (CUDA backend).
+    pub(crate) fn device_mem_info(&self) -> Option<(usize, usize)> {
+        match self {
+            Backend::Cpu { .. } => None,
+            Backend::Cuda(m) => m.mem_info().ok(),
+        }
+    }
+
+    /// The host KV cache (CPU backend only).
+    pub(crate) fn host_kv(&self) -> Option<&KvCache> {
+        match self {
+            Backend::Cpu { kv, .. } => Some(kv),
+            Backend::Cuda(_) => None,
+        }
+    }
+
+    /// The host KV cache, mutable (CPU backend only).
+    pub(crate) fn host_kv_mut(&mut self) -> Option<&mut KvCache> {
+        match self {
+            Backend::Cpu { kv, .. } => Some(kv),
+            Backend::Cuda(_) => None,
+        }
+    }
+
+    /// Copies block `src` over block `dst` in every layer.
+    pub(crate) fn copy_block(&mut self, src: u32, dst: u32) -> Result<()> {
+        match self {
+            Backend::Cpu { kv, .. } => {
+                kv.copy_block(src, dst);
+                Ok(())
+            }
+            Backend::Cuda(m) => m.copy_block(src, dst),
+        }
+    }
+
+    /// One forward pass. With `observe`, the pass reports each layer once its K/V is written
+    /// and readable on the host: the CPU cache itself (passed to the callback), or for the CUDA
+    /// backend the `stage` blocks copied into the host mirror (the callback gets `None`).
+    pub(crate) fn forward(&mut self, chunks: &[BatchChunk<'_>], observe: Option<LayerObserver<'_>>) -> Result<Logits> {
+        match (self, observe) {
+            (Backend::Cpu { model, kv }, None) => model.forward(chunks, kv).map(Logits::Host),
+            (Backend::Cpu { model, kv }, Some(o)) => model.forward_observed(chunks, kv, &mut |l, kv| (o.on_layer)(l, Some(kv))).map(Logits::Host),
+            (Backend::Cuda(m), None) => m.forward(chunks).map(|()| Logits::Device),
+            (Backend::Cuda(m), Some(o)) => m.forward_staged(chunks, o.stage, &mut |l| (o.on_layer)(l, None)).map(|()| Logits::Device),
+        }
+    }
+
+    /// Makes received blocks (written into the host side of the transfer memory) visible to the
+    /// forward pass: nothing to do on the CPU, an upload from the mirror on CUDA.
+    pub(crate) fn receive_blocks(&mut self, blocks: &[u32]) -> Result<()> {
+        match self {
+            Backend::Cpu { .. } => Ok(()),
+            Backend::Cuda(m) => m.upload_from_mirror(blocks),
+        }
+    }
+
+    /// The host memory KV transfers register: the CPU cache itself, or the CUDA pool's host
+    /// mirror (allocated on first call).
+    pub(crate) fn transfer_memory(&mut self) -> TransferMemory {
+        match self {
+            Backend::Cpu { kv, .. } => TransferMemory { dtype: KvDType::F32, num_blocks: kv.num_blocks(), layer_bases: kv.layer_base_ptrs() },
+            Backend::Cuda(m) => {
+                let mirror = m.mirror();
+                TransferMemory { dtype: KvDType::Bf16, num_blocks: mirror.num_blocks(), layer_bases: mirror.layer_base_ptrs() }
+            }
+        }
+    }
+
+    /// Samples device-resident logits rows (after [`Logits::Device`]).
+    pub(crate) fn sample_on_device(&mut self, samples: &[DeviceSample]) -> Result<Vec<DeviceSampled>> {
+        match self {
+            Backend::Cuda(m) => m.sample(samples),
+            Backend::Cpu { .. } => Err(Error::Device("the CPU backend returns host logits".into())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda { ordinal: 0 });
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda { ordinal: 3 });
+        assert_eq!(Device::Cuda { ordinal: 2 }.to_string(), "cuda:2");
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", ""] {
+            let err = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(err.contains("expected cpu, cuda or cuda:N"), "{bad}: {err}");
+        }
+    }
+}

@@ -1,0 +1,848 @@
+//! The Llama-family decoder on a CUDA GPU: bf16 weights, a bf16 paged KV pool in device memory,
+//! kernels from `tandem_kernels::cuda` (NVRTC-compiled at start, cached on disk) and cuBLAS GEMMs.
+//!
+//! One forward pass runs a flat batch of chunks exactly like the CPU model: embedding → per
+//! layer (RMSNorm → QKV GEMM → RoPE → K/V into paged blocks → attention → O GEMM accumulated
+//! into the f32 residual → RMSNorm → gate/up GEMM → SiLU·mul → down GEMM accumulated into the
+//! residual) → final RMSNorm and LM head over the rows that want logits. The logits stay on the
+//! device; [`CudaModel::sample`] samples them there and copies back only tokens and logprobs
+//! (plus a penalised row when top logprobs were asked for).
+//!
+//! Invariants:
+//! - the residual stream is f32; GEMM inputs and the KV cache are bf16 (f32 accumulation);
+//! - every buffer is allocated once, at load, for the largest step the scheduler can build
+//!   (`max_num_batched_tokens` tokens, `max_num_seqs` logits rows), so a step allocates no
+//!   device memory and device memory does not grow with the number of requests;
+//! - the KV pool takes `memory_utilization` of the GPU's total memory minus what is in use once
+//!   weights and workspace are resident;
+//! - within a layer every chunk's K/V is written before attention reads, as on the CPU.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use cudarc::driver::result::DriverError;
+use tandem_kernels::cpu::{self, PagedLayout};
+use tandem_kernels::cuda::{self, AttnMeta, AttnShape, CudaSlice, GemmOut, Gpu, Graph, SampleParams, bf16};
+
+use super::BatchChunk;
+use super::backend::{CudaSizing, DeviceSample, DeviceSampled};
+use crate::config::ModelConfig;
+use crate::weights::WeightStore;
+use crate::{Error, Result};
+
+impl From<cuda::GpuError> for Error {
+    fn from(e: cuda::GpuError) -> Self {
+        Error::Device(e.to_string())
+    }
+}
+
+struct Layer {
+    input_norm: CudaSlice<bf16>,
+    /// Q, K and V stacked: `[(heads + 2*kv_heads) * head_dim, hidden]`.
+    qkv: CudaSlice<bf16>,
+    o: CudaSlice<bf16>,
+    post_norm: CudaSlice<bf16>,
+    /// Gate and up stacked: `[2 * intermediate, hidden]`.
+    gate_up: CudaSlice<bf16>,
+    down: CudaSlice<bf16>,
+}
+
+/// Per-step buffers, sized once for the largest step.
+struct Workspace {
+    max_tokens: usize,
+    max_rows: usize,
+    max_chunks: usize,
+    max_blocks: usize,
+    ids: CudaSlice<u32>,
+    /// positions `[T]`, slots `[T]`, cu_q `[C+1]`, start_pos `[C]`, block tables `[C, max_blocks]`.
+    meta: CudaSlice<i32>,
+    /// Residual stream `[T, hidden]`.
+    x: CudaSlice<f32>,
+    normed: CudaSlice<bf16>,
+    qkv: CudaSlice<bf16>,
+    attn: CudaSlice<bf16>,
+    gate_up: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
+    decode_ws: CudaSlice<f32>,
+    /// Gathered rows that want logits `[R, hidden]` (f32) and their norm (bf16).
+    x_rows: CudaSlice<f32>,
+    normed_rows: CudaSlice<bf16>,
+    /// `[R, vocab]`.
+    logits: CudaSlice<f32>,
+    /// `[S, vocab]`: logits rows arranged one per draw when draws share a row (n > 1).
+    sample_logits: CudaSlice<f32>,
+    tokens: CudaSlice<u32>,
+    logprobs: CudaSlice<f32>,
+}
+
+/// A model resident on one GPU with its KV pool.
+pub struct CudaModel {
+    gpu: Gpu,
+    cfg: ModelConfig,
+    embed: CudaSlice<bf16>,
+    layers: Vec<Layer>,
+    norm: CudaSlice<bf16>,
+    /// `None` when the embedding is tied.
+    lm_head: Option<CudaSlice<bf16>>,
+    inv_freq: CudaSlice<f32>,
+    /// One buffer per layer, `[num_blocks][K, V][kv_heads][block_size][head_dim]` bf16.
+    kv: Vec<CudaSlice<bf16>>,
+    /// One block of one layer, for copy-on-write through a bounce buffer.
+    bounce: CudaSlice<bf16>,
+    layout: PagedLayout,
+    num_blocks: usize,
+    ws: Workspace,
+    /// Logits rows the last forward pass left in `ws.logits`.
+    rows: usize,
+    max_model_len: usize,
+    /// The host copy of the pool that KV transfers read and write (allocated on first use).
+    mirror: Option<HostKvMirror>,
+    /// Copies between the pool and the mirror run here, overlapping the forward pass.
+    copy_stream: Arc<CudaStream>,
+    /// Replay decode steps from CUDA graphs (`TANDEM_CUDA_GRAPHS=0` turns it off).
+    use_graphs: bool,
+    graphs: HashMap<GraphKey, Graph>,
+}
+
+fn bf16_vec(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// Head dims the kernels are instantiated for.
+const HEAD_DIMS: [usize; 2] = [64, 128];
+
+impl CudaModel {
+    /// Loads the weights of `dir` onto GPU `sizing.ordinal` and sizes the KV pool.
+    pub fn load(dir: &Path, cfg: &ModelConfig, sizing: CudaSizing) -> Result<Self> {
+        Self::check_shape(cfg)?;
+        let gpu = Gpu::new(sizing.ordinal)?;
+        let store = WeightStore::open(dir)?;
+        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (q_rows, kv_rows) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let up = |name: &str, shape: &[usize]| -> Result<CudaSlice<bf16>> { Ok(gpu.upload(&bf16_vec(&store.f32(name, shape)?))?) };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let mut qkv = store.f32(&format!("{p}.self_attn.q_proj.weight"), &[q_rows, h])?;
+            qkv.extend(store.f32(&format!("{p}.self_attn.k_proj.weight"), &[kv_rows, h])?);
+            qkv.extend(store.f32(&format!("{p}.self_attn.v_proj.weight"), &[kv_rows, h])?);
+            let mut gate_up = store.f32(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?;
+            gate_up.extend(store.f32(&format!("{p}.mlp.up_proj.weight"), &[i, h])?);
+            layers.push(Layer {
+                input_norm: up(&format!("{p}.input_layernorm.weight"), &[h])?,
+                qkv: gpu.upload(&bf16_vec(&qkv))?,
+                o: up(&format!("{p}.self_attn.o_proj.weight"), &[h, q_rows])?,
+                post_norm: up(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate_up: gpu.upload(&bf16_vec(&gate_up))?,
+                down: up(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings && !store.contains("lm_head.weight") {
+            None
+        } else {
+            Some(up("lm_head.weight", &[v, h])?)
+        };
+        let embed = up("model.embed_tokens.weight", &[v, h])?;
+        let norm = up("model.norm.weight", &[h])?;
+        Self::assemble(gpu, cfg, Weights { embed, layers, norm, lm_head }, sizing)
+    }
+
+    /// A model of geometry `cfg` with random bf16 weights drawn from `seed` (benchmarks: an
+    /// 8B-parameter geometry without an 8B checkpoint). Matrices are uniform with the variance of
+    /// N(0, 1/fan_in), norms are 1, so activations stay finite.
+    pub fn random(cfg: &ModelConfig, sizing: CudaSizing, seed: u64) -> Result<Self> {
+        Self::check_shape(cfg)?;
+        let gpu = Gpu::new(sizing.ordinal)?;
+        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (q_rows, kv_rows) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let mut tensor = 0u64;
+        let mut matrix = |rows: usize, cols: usize| -> Result<CudaSlice<bf16>> {
+            tensor += 1;
+            Ok(gpu.upload(&random_bf16(rows * cols, (3.0 / cols as f32).sqrt(), seed ^ tensor.wrapping_mul(0x9E37_79B9_7F4A_7C15)))?)
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for _ in 0..cfg.num_layers {
+            layers.push(Layer {
+                input_norm: gpu.upload(&vec![bf16::ONE; h])?,
+                qkv: matrix(q_rows + 2 * kv_rows, h)?,
+                o: matrix(h, q_rows)?,
+                post_norm: gpu.upload(&vec![bf16::ONE; h])?,
+                gate_up: matrix(2 * i, h)?,
+                down: matrix(h, i)?,
+            });
+        }
+        let embed = matrix(v, h)?;
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(matrix(v, h)?) };
+        let norm = gpu.upload(&vec![bf16::ONE; h])?;
+        Self::assemble(gpu, cfg, Weights { embed, layers, norm, lm_head }, sizing)
+    }
+
+    fn check_shape(cfg: &ModelConfig) -> Result<()> {
+        if !HEAD_DIMS.contains(&cfg.head_dim) {
+            return Err(Error::Device(format!("head_dim {} is not supported on CUDA (supported: {HEAD_DIMS:?})", cfg.head_dim)));
+        }
+        if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) || cfg.num_heads / cfg.num_kv_heads > 16 {
+            return Err(Error::Device(format!(
+                "{} query heads over {} KV heads is not a supported GQA grouping on CUDA (groups of 1 to 16)",
+                cfg.num_heads, cfg.num_kv_heads
+            )));
+        }
+        Ok(())
+    }
+
+    fn assemble(gpu: Gpu, cfg: &ModelConfig, w: Weights, sizing: CudaSizing) -> Result<Self> {
+        if !sizing.block_size.is_power_of_two() || !(8..=128).contains(&sizing.block_size) {
+            return Err(Error::Device(format!("block size {} must be a power of two in 8..=128 on CUDA", sizing.block_size)));
+        }
+        if !(0.05..=1.0).contains(&sizing.memory_utilization) {
+            return Err(Error::Device(format!("GPU memory utilization {} must be in [0.05, 1]", sizing.memory_utilization)));
+        }
+        let layout = PagedLayout { block_size: sizing.block_size, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
+        let ws = Workspace::new(&gpu, cfg, &sizing, layout)?;
+        let inv_freq = gpu.upload(&cpu::rope_inv_freq(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling))?;
+        gpu.synchronize()?;
+        let (free, total) = gpu.mem_info()?;
+        let in_use = total - free;
+        let budget = (sizing.memory_utilization as f64 * total as f64) as usize;
+        let block_bytes = layout.block_elems() * cfg.num_layers * std::mem::size_of::<bf16>();
+        // Keep a little headroom for cuBLAS and the driver beyond what is resident now.
+        let headroom = 256 << 20;
+        let num_blocks = budget.saturating_sub(in_use + headroom) / block_bytes;
+        let min_blocks = sizing.max_model_len.div_ceil(sizing.block_size);
+        if num_blocks < min_blocks {
+            return Err(Error::Device(format!(
+                "GPU memory: {} MiB of {} MiB in use after loading; a utilization of {} leaves room for {num_blocks} KV blocks, \
+                 fewer than one sequence of {} tokens needs ({min_blocks})",
+                in_use >> 20,
+                total >> 20,
+                sizing.memory_utilization,
+                sizing.max_model_len
+            )));
+        }
+        let kv = (0..cfg.num_layers).map(|_| gpu.alloc_zeros::<bf16>(num_blocks * layout.block_elems())).collect::<cuda::Result<Vec<_>>>()?;
+        let bounce = gpu.alloc_zeros::<bf16>(layout.block_elems())?;
+        let copy_stream = gpu.stream().context().new_stream().map_err(|e| Error::Device(format!("creating the copy stream: {e}")))?;
+        tracing::info!(
+            device = %gpu.name(),
+            num_blocks,
+            kv_gib = (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64,
+            "CUDA backend ready"
+        );
+        Ok(CudaModel {
+            gpu,
+            cfg: cfg.clone(),
+            embed: w.embed,
+            layers: w.layers,
+            norm: w.norm,
+            lm_head: w.lm_head,
+            inv_freq,
+            kv,
+            bounce,
+            layout,
+            num_blocks,
+            ws,
+            rows: 0,
+            max_model_len: sizing.max_model_len,
+            mirror: None,
+            copy_stream,
+            use_graphs: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graphs: HashMap::new(),
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Blocks in the KV pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// The GPU's name.
+    pub fn device_name(&self) -> String {
+        self.gpu.name()
+    }
+
+    /// Copies block `src` over block `dst` in every layer.
+    pub(crate) fn copy_block(&mut self, src: u32, dst: u32) -> Result<()> {
+        let n = self.layout.block_elems();
+        let (s, d) = (src as usize * n, dst as usize * n);
+        if s.max(d) + n > self.num_blocks * n {
+            return Err(Error::Device(format!("block copy {src} -> {dst} outside a pool of {} blocks", self.num_blocks)));
+        }
+        let stream = self.gpu.stream().clone();
+        for layer in &mut self.kv {
+            stream.memcpy_dtod(&layer.slice(s..s + n), &mut self.bounce).map_err(|e| Error::Device(e.to_string()))?;
+            stream.memcpy_dtod(&self.bounce, &mut layer.slice_mut(d..d + n)).map_err(|e| Error::Device(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Runs `chunks` through the model, writing their K/V into the pool; the logits of the chunks
+    /// with `want_logits` stay on the device for [`Self::sample`]. A step of single-token chunks
+    /// (pure decode) is padded to a batch-size bucket and replayed from a CUDA graph captured the
+    /// first time that bucket (and context class) runs.
+    pub fn forward(&mut self, chunks: &[BatchChunk<'_>]) -> Result<()> {
+        let host = self.ws.prepare(chunks, &self.cfg, &self.layout, self.num_blocks)?;
+        let key = if self.use_graphs && host.all_decode && host.logit_rows.len() == chunks.len() {
+            graph_key(chunks.len(), host.max_context, self.ws.max_chunks, self.max_model_len)
+        } else {
+            None
+        };
+        let Some(key) = key else {
+            self.upload(&host)?;
+            self.rows = host.logit_rows.len();
+            return self.enqueue(&host);
+        };
+        let padded = host.padded(key.batch, key.context, self.ws.max_blocks);
+        self.upload(&padded)?;
+        if !self.graphs.contains_key(&key) {
+            let graph = self.capture(&padded)?;
+            self.graphs.insert(key, graph);
+        }
+        self.graphs[&key].launch().map_err(|e| Error::Device(format!("replaying the decode graph: {e}")))?;
+        self.rows = chunks.len();
+        Ok(())
+    }
+
+    /// [`Self::forward`] for a step whose completing prefills' KV is being transferred: after the
+    /// pass is enqueued, layer by layer, copies `stage` blocks of layer `l` into the host mirror
+    /// on the copy stream as soon as the compute stream has written them (an event per layer),
+    /// waits for that copy, and calls `on_layer(l)`. The copy of layer `l` and the host's send
+    /// of it overlap the computation of the later layers.
+    pub fn forward_staged(&mut self, chunks: &[BatchChunk<'_>], stage: &[u32], on_layer: &mut dyn FnMut(usize)) -> Result<()> {
+        let host = self.ws.prepare(chunks, &self.cfg, &self.layout, self.num_blocks)?;
+        if stage.iter().any(|&b| b as usize >= self.num_blocks) {
+            return Err(Error::Device(format!("staging a block outside the pool of {}", self.num_blocks)));
+        }
+        self.upload(&host)?;
+        self.rows = host.logit_rows.len();
+        let stream = self.gpu.stream().clone();
+        let ctx = stream.context().clone();
+        let mut written = Vec::with_capacity(self.cfg.num_layers);
+        self.enqueue_observed(&host, &mut |_| {
+            let ev = ctx.new_event(None)?;
+            ev.record(&stream)?;
+            written.push(ev);
+            Ok(())
+        })?;
+        let Some(mirror) = self.mirror.as_mut() else {
+            return Err(Error::Device("no host KV mirror: register the KV cache for transfers first".into()));
+        };
+        let n = self.layout.block_elems();
+        let runs = block_runs(stage);
+        for (l, ev) in written.iter().enumerate() {
+            self.copy_stream.wait(ev).map_err(dev)?;
+            for &(first, len) in &runs {
+                let range = first as usize * n..(first + len) as usize * n;
+                self.copy_stream.memcpy_dtoh(&self.kv[l].slice(range.clone()), &mut mirror.layers[l][range]).map_err(dev)?;
+            }
+            self.copy_stream.synchronize().map_err(dev)?;
+            on_layer(l);
+        }
+        Ok(())
+    }
+
+    /// Copies `blocks` of every layer from the host mirror into the pool (received KV), and
+    /// waits for the copies.
+    pub fn upload_from_mirror(&mut self, blocks: &[u32]) -> Result<()> {
+        if blocks.iter().any(|&b| b as usize >= self.num_blocks) {
+            return Err(Error::Device(format!("uploading a block outside the pool of {}", self.num_blocks)));
+        }
+        let Some(mirror) = self.mirror.as_ref() else {
+            return Err(Error::Device("no host KV mirror: register the KV cache for transfers first".into()));
+        };
+        let n = self.layout.block_elems();
+        let stream = self.gpu.stream().clone();
+        for (l, layer) in self.kv.iter_mut().enumerate() {
+            for &(first, len) in &block_runs(blocks) {
+                let range = first as usize * n..(first + len) as usize * n;
+                stream.memcpy_htod(&mirror.layers[l][range.clone()], &mut layer.slice_mut(range)).map_err(dev)?;
+            }
+        }
+        stream.synchronize().map_err(dev)?;
+        Ok(())
+    }
+
+    /// The host mirror of the pool, allocated (zeroed) on first use.
+    pub fn mirror(&mut self) -> &mut HostKvMirror {
+        let (layers, elems) = (self.cfg.num_layers, self.num_blocks * self.layout.block_elems());
+        self.mirror.get_or_insert_with(|| HostKvMirror { layers: (0..layers).map(|_| vec![bf16::ZERO; elems]).collect(), num_blocks: self.num_blocks, block_elems: self.layout.block_elems() })
+    }
+
+    /// Records one padded decode step into a CUDA graph.
+    fn capture(&mut self, padded: &HostBatch) -> Result<Graph> {
+        let stream = self.gpu.stream().clone();
+        cuda::capture(&stream, || self.enqueue(padded))
+    }
+
+    fn upload(&mut self, host: &HostBatch) -> Result<()> {
+        self.gpu.upload_into(&host.ids, &mut self.ws.ids.slice_mut(0..host.tokens))?;
+        self.gpu.upload_into(&host.meta, &mut self.ws.meta.slice_mut(0..host.meta.len()))?;
+        Ok(())
+    }
+
+    /// Enqueues the forward pass of an uploaded batch (no host synchronisation, no allocation:
+    /// capturable).
+    fn enqueue(&mut self, host: &HostBatch) -> Result<()> {
+        self.enqueue_observed(host, &mut |_| Ok(()))
+    }
+
+    /// [`Self::enqueue`], calling `after_kv(l)` once layer `l`'s K/V writes are enqueued.
+    fn enqueue_observed(&mut self, host: &HostBatch, after_kv: &mut dyn FnMut(usize) -> std::result::Result<(), DriverError>) -> Result<()> {
+        let cfg = &self.cfg;
+        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let qkv_w = cfg.qkv_width();
+        let (t, c) = (host.tokens, host.chunks);
+        let gpu = &self.gpu;
+        let ws = &mut self.ws;
+        let (positions, rest) = ws.meta.split_at(t);
+        let (slots, rest) = rest.split_at(t);
+        let (cu_q, rest) = rest.split_at(c + 1);
+        let (start_pos, rest) = rest.split_at(c);
+        let block_tables = rest.slice(0..c * host.max_blocks);
+        let meta = AttnMeta {
+            cu_q: &cu_q,
+            start_pos: &start_pos,
+            block_tables: &block_tables,
+            num_chunks: c,
+            max_blocks: host.max_blocks,
+            max_q_len: host.max_q_len,
+            max_context: host.max_context,
+        };
+        let shape = AttnShape {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            block_size: self.layout.block_size,
+            num_blocks: self.num_blocks,
+            q_row_stride: qkv_w,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let eps = cfg.rms_norm_eps;
+        cuda::embedding(gpu, &self.embed.slice(..), &ws.ids.slice(0..t), &mut ws.x.slice_mut(0..t * h))?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            cuda::rms_norm(gpu, &mut ws.x.slice_mut(0..t * h), None, &layer.input_norm.slice(..), eps, &mut ws.normed.slice_mut(0..t * h))?;
+            cuda::gemm(gpu, &ws.normed.slice(0..t * h), &layer.qkv.slice(..), GemmOut::Bf16(&mut ws.qkv.slice_mut(0..t * qkv_w)), t, qkv_w, h)?;
+            cuda::rope(gpu, &mut ws.qkv.slice_mut(0..t * qkv_w), &positions.slice(..), &self.inv_freq.slice(..), nh + nkv, hd, qkv_w)?;
+            cuda::write_kv(gpu, &ws.qkv.slice(0..t * qkv_w), &slots.slice(..), &mut self.kv[l].slice_mut(..), &self.layout, self.num_blocks, nh * hd, qkv_w)?;
+            after_kv(l).map_err(dev)?;
+            let q = ws.qkv.slice(0..t * qkv_w);
+            let out = &mut ws.attn.slice_mut(0..t * nh * hd);
+            if host.all_decode {
+                cuda::decode_attention(gpu, &q, &meta, &shape, &self.kv[l].slice(..), &mut ws.decode_ws.slice_mut(..), out)?;
+            } else {
+                cuda::prefill_attention(gpu, &q, &meta, &shape, &self.kv[l].slice(..), out)?;
+            }
+            cuda::gemm(gpu, &ws.attn.slice(0..t * nh * hd), &layer.o.slice(..), GemmOut::F32 { out: &mut ws.x.slice_mut(0..t * h), accumulate: true }, t, h, nh * hd)?;
+            cuda::rms_norm(gpu, &mut ws.x.slice_mut(0..t * h), None, &layer.post_norm.slice(..), eps, &mut ws.normed.slice_mut(0..t * h))?;
+            cuda::gemm(gpu, &ws.normed.slice(0..t * h), &layer.gate_up.slice(..), GemmOut::Bf16(&mut ws.gate_up.slice_mut(0..t * 2 * inter)), t, 2 * inter, h)?;
+            cuda::silu_mul(gpu, &ws.gate_up.slice(0..t * 2 * inter), &mut ws.act.slice_mut(0..t * inter), inter)?;
+            cuda::gemm(gpu, &ws.act.slice(0..t * inter), &layer.down.slice(..), GemmOut::F32 { out: &mut ws.x.slice_mut(0..t * h), accumulate: true }, t, h, inter)?;
+        }
+
+        // Only the rows that want logits go through the final norm and the LM head. When they are
+        // the first rows of the batch (every decode step) they are read in place.
+        let rows = host.logit_rows.len();
+        if rows == 0 {
+            return Ok(());
+        }
+        let stream = gpu.stream().clone();
+        let dtod = |e: DriverError| Error::Device(e.to_string());
+        if host.logit_rows.iter().enumerate().any(|(i, &r)| i != r) {
+            for (i, &r) in host.logit_rows.iter().enumerate() {
+                stream.memcpy_dtod(&ws.x.slice(r * h..(r + 1) * h), &mut ws.x_rows.slice_mut(i * h..(i + 1) * h)).map_err(dtod)?;
+            }
+        } else {
+            stream.memcpy_dtod(&ws.x.slice(0..rows * h), &mut ws.x_rows.slice_mut(0..rows * h)).map_err(dtod)?;
+        }
+        cuda::rms_norm(gpu, &mut ws.x_rows.slice_mut(0..rows * h), None, &self.norm.slice(..), eps, &mut ws.normed_rows.slice_mut(0..rows * h))?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let v = cfg.vocab_size;
+        cuda::gemm(
+            gpu,
+            &ws.normed_rows.slice(0..rows * h),
+            &head.slice(..),
+            GemmOut::F32 { out: &mut ws.logits.slice_mut(0..rows * v), accumulate: false },
+            rows,
+            v,
+            h,
+        )?;
+        Ok(())
+    }
+
+    /// [`Self::forward`], then copies the logits rows to the host (`rows * vocab`, chunk order):
+    /// what the device tests compare against references.
+    pub fn forward_logits(&mut self, chunks: &[BatchChunk<'_>]) -> Result<Vec<f32>> {
+        self.forward(chunks)?;
+        let n = self.rows * self.cfg.vocab_size;
+        Ok(self.gpu.download(&self.ws.logits.slice(0..n))?)
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        Ok(self.gpu.mem_info()?)
+    }
+
+    /// Draws every sample from the logits the last forward pass left on the device.
+    pub(crate) fn sample(&mut self, samples: &[DeviceSample]) -> Result<Vec<DeviceSampled>> {
+        let s = samples.len();
+        if s == 0 {
+            return Ok(Vec::new());
+        }
+        let v = self.cfg.vocab_size;
+        if s > self.ws.max_rows || samples.iter().any(|x| x.row >= self.rows) {
+            return Err(Error::Device(format!("{s} draws over {} logits rows exceed the sampler's buffers", self.rows)));
+        }
+        let gpu = &self.gpu;
+        let ws = &mut self.ws;
+        let stream = gpu.stream().clone();
+        // Draws read and write their own row: when rows repeat or are out of order, lay them out one per draw.
+        let in_place = samples.iter().enumerate().all(|(i, x)| x.row == i);
+        if !in_place {
+            for (i, x) in samples.iter().enumerate() {
+                stream
+                    .memcpy_dtod(&ws.logits.slice(x.row * v..(x.row + 1) * v), &mut ws.sample_logits.slice_mut(i * v..(i + 1) * v))
+                    .map_err(|e| Error::Device(e.to_string()))?;
+            }
+        }
+        let mut params = Vec::with_capacity(s);
+        let mut offsets = Vec::with_capacity(s + 1);
+        let (mut pen_tokens, mut pen_counts) = (Vec::new(), Vec::new());
+        offsets.push(0i32);
+        for x in samples {
+            let st = &x.step;
+            params.push(SampleParams {
+                temperature: st.temperature,
+                top_k: i32::try_from(st.top_k).unwrap_or(i32::MAX),
+                top_p: st.top_p,
+                min_p: st.min_p,
+                repetition: st.repetition,
+                presence: st.presence,
+                frequency: st.frequency,
+                // The largest f32 below 1, so rounding never makes the draw reach the total.
+                uniform: (st.uniform as f32).min(1.0 - f32::EPSILON / 2.0),
+            });
+            for &(tok, count) in &x.history {
+                pen_tokens.push(tok as i32);
+                pen_counts.push(count as i32);
+            }
+            offsets.push(pen_tokens.len() as i32);
+        }
+        // Never upload empty buffers.
+        pen_tokens.push(0);
+        pen_counts.push(0);
+        let params_d = gpu.upload(&params)?;
+        let offsets_d = gpu.upload(&offsets)?;
+        let tokens_d = gpu.upload(&pen_tokens)?;
+        let counts_d = gpu.upload(&pen_counts)?;
+        let logits = if in_place { &mut ws.logits } else { &mut ws.sample_logits };
+        cuda::sample(
+            gpu,
+            &mut logits.slice_mut(0..s * v),
+            v,
+            &params_d.slice(..),
+            &offsets_d.slice(..),
+            &tokens_d.slice(..),
+            &counts_d.slice(..),
+            &mut ws.tokens.slice_mut(0..s),
+            &mut ws.logprobs.slice_mut(0..s),
+        )?;
+        let tokens = gpu.download(&ws.tokens.slice(0..s))?;
+        let logprobs = gpu.download(&ws.logprobs.slice(0..s))?;
+        let mut out = Vec::with_capacity(s);
+        for (i, x) in samples.iter().enumerate() {
+            let penalised_row = if x.step.logprobs > 0 { Some(gpu.download(&logits.slice(i * v..(i + 1) * v))?) } else { None };
+            if tokens[i] as usize >= v {
+                return Err(Error::Device(format!("the device sampler returned token {} outside the vocabulary of {v}", tokens[i])));
+            }
+            out.push(DeviceSampled { token: tokens[i], logprob: logprobs[i], penalised_row });
+        }
+        Ok(out)
+    }
+}
+
+fn dev(e: DriverError) -> Error {
+    Error::Device(e.to_string())
+}
+
+/// Sorted, merged runs `(first block, count)` of consecutive block ids.
+fn block_runs(blocks: &[u32]) -> Vec<(u32, u32)> {
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for b in sorted {
+        match runs.last_mut() {
+            Some((first, len)) if *first + *len == b => *len += 1,
+            _ => runs.push((b, 1)),
+        }
+    }
+    runs
+}
+
+/// The host copy of a CUDA engine's KV pool that KV transfers use: one bf16 buffer per layer in
+/// the pool's layout (`[num_blocks][K, V][kv_heads][block_size][head_dim]`). A prefill node's
+/// engine copies a completing prompt's blocks into it layer by layer
+/// ([`CudaModel::forward_staged`]); a decode node's transfer writes received blocks into it and
+/// the engine uploads them before the request runs ([`CudaModel::upload_from_mirror`]). The
+/// buffers never move once allocated.
+pub struct HostKvMirror {
+    layers: Vec<Vec<bf16>>,
+    num_blocks: usize,
+    block_elems: usize,
+}
+
+impl HostKvMirror {
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Bytes of one block of one layer.
+    pub fn block_bytes_per_layer(&self) -> usize {
+        self.block_elems * std::mem::size_of::<bf16>()
+    }
+
+    /// The base address of every layer's buffer, in layer order (the same rules as
+    /// [`super::KvCache::layer_base_ptrs`]: touch only blocks the scheduler holds for you).
+    pub fn layer_base_ptrs(&mut self) -> Vec<*mut u8> {
+        self.layers.iter_mut().map(|l| l.as_mut_ptr().cast::<u8>()).collect()
+    }
+
+    /// One block of one layer (bf16).
+    pub fn block(&self, layer: usize, block: u32) -> &[bf16] {
+        let n = self.block_elems;
+        &self.layers[layer][block as usize * n..(block as usize + 1) * n]
+    }
+
+    /// One block of one layer, mutable.
+    pub fn block_mut(&mut self, layer: usize, block: u32) -> &mut [bf16] {
+        let n = self.block_elems;
+        &mut self.layers[layer][block as usize * n..(block as usize + 1) * n]
+    }
+}
+
+/// `n` values uniform in `[-a, a]` from `seed` (SplitMix64 per element, so threads agree).
+fn random_bf16(n: usize, a: f32, seed: u64) -> Vec<bf16> {
+    use rayon::prelude::*;
+    let mut out = vec![bf16::ZERO; n];
+    out.par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| {
+        for (j, x) in chunk.iter_mut().enumerate() {
+            let mut z = seed.wrapping_add(((c << 16) + j) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let u = (z >> 40) as f32 / (1u64 << 24) as f32;
+            *x = bf16::from_f32((2.0 * u - 1.0) * a);
+        }
+    });
+    out
+}
+
+struct Weights {
+    embed: CudaSlice<bf16>,
+    layers: Vec<Layer>,
+    norm: CudaSlice<bf16>,
+    lm_head: Option<CudaSlice<bf16>>,
+}
+
+/// A step's metadata, built on the host.
+#[derive(Clone, Debug)]
+struct HostBatch {
+    tokens: usize,
+    chunks: usize,
+    ids: Vec<u32>,
+    meta: Vec<i32>,
+    max_blocks: usize,
+    max_q_len: usize,
+    max_context: usize,
+    all_decode: bool,
+    /// Flat token index of each row that wants logits.
+    logit_rows: Vec<usize>,
+}
+
+impl HostBatch {
+    /// This decode batch (one token per chunk, each wanting logits) padded to `batch` chunks with a
+    /// block-table width of `max_blocks` and a context bound of `context`, the fixed shape of
+    /// one captured graph. Padding rows read token 0 at position 0, write no K/V (slot -1) and
+    /// see no blocks (table entries -1); their logits are computed and never sampled.
+    fn padded(&self, batch: usize, context: usize, max_blocks: usize) -> HostBatch {
+        let (t, c) = (self.tokens, self.chunks);
+        debug_assert!(t == c && batch >= c && context >= self.max_context && max_blocks >= self.max_blocks);
+        let m = &self.meta;
+        let (positions, slots) = (&m[0..t], &m[t..2 * t]);
+        let start_pos = &m[3 * t + 1..3 * t + 1 + c];
+        let tables = &m[3 * t + 1 + c..];
+        let mut meta = Vec::with_capacity(4 * batch + 1 + batch * max_blocks);
+        meta.extend_from_slice(positions);
+        meta.extend(std::iter::repeat_n(0, batch - c));
+        meta.extend_from_slice(slots);
+        meta.extend(std::iter::repeat_n(-1, batch - c));
+        meta.extend((0..=batch as i32).collect::<Vec<_>>());
+        meta.extend_from_slice(start_pos);
+        meta.extend(std::iter::repeat_n(0, batch - c));
+        for row in tables.chunks(self.max_blocks) {
+            meta.extend_from_slice(row);
+            meta.extend(std::iter::repeat_n(-1, max_blocks - self.max_blocks));
+        }
+        meta.extend(std::iter::repeat_n(-1, (batch - c) * max_blocks));
+        let mut ids = self.ids.clone();
+        ids.resize(batch, 0);
+        HostBatch {
+            tokens: batch,
+            chunks: batch,
+            ids,
+            meta,
+            max_blocks,
+            max_q_len: 1,
+            max_context: context,
+            all_decode: true,
+            logit_rows: (0..batch).collect(),
+        }
+    }
+}
+
+/// Which captured decode graph serves a step: its padded batch size and context bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GraphKey {
+    batch: usize,
+    context: usize,
+}
+
+/// The graph bucket for a decode step of `batch` sequences whose longest context is `context`:
+/// batch sizes 1, 2, 4, 8, then multiples of 8 up to 64, then of 32 (capped at `max_batch`);
+/// contexts by powers of two from 1024 (capped at `max_context`). `None` for batches beyond
+/// `max_batch`.
+fn graph_key(batch: usize, context: usize, max_batch: usize, max_context: usize) -> Option<GraphKey> {
+    if batch == 0 || batch > max_batch {
+        return None;
+    }
+    let b = match batch {
+        1 | 2 => batch,
+        3..=4 => 4,
+        5..=8 => 8,
+        9..=64 => batch.div_ceil(8) * 8,
+        _ => batch.div_ceil(32) * 32,
+    }
+    .min(max_batch);
+    let ctx = context.next_power_of_two().max(1024).min(max_context).max(context);
+    Some(GraphKey { batch: b, context: ctx })
+}
+
+impl Workspace {
+    fn new(gpu: &Gpu, cfg: &ModelConfig, sizing: &CudaSizing, layout: PagedLayout) -> Result<Self> {
+        let t = sizing.max_num_batched_tokens.max(sizing.max_num_seqs);
+        let r = sizing.max_num_seqs;
+        let c = sizing.max_num_seqs;
+        let max_blocks = sizing.max_model_len.div_ceil(layout.block_size);
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let decode_len = cuda::decode_workspace_len(c, &Self::shape_for(cfg, layout), sizing.max_model_len);
+        Ok(Workspace {
+            max_tokens: t,
+            max_rows: r,
+            max_chunks: c,
+            max_blocks,
+            ids: gpu.alloc_zeros(t)?,
+            meta: gpu.alloc_zeros(2 * t + 2 * c + 1 + c * max_blocks)?,
+            x: gpu.alloc_zeros(t * h)?,
+            normed: gpu.alloc_zeros(t * h)?,
+            qkv: gpu.alloc_zeros(t * cfg.qkv_width())?,
+            attn: gpu.alloc_zeros(t * cfg.num_heads * cfg.head_dim)?,
+            gate_up: gpu.alloc_zeros(t * 2 * cfg.intermediate_size)?,
+            act: gpu.alloc_zeros(t * cfg.intermediate_size)?,
+            decode_ws: gpu.alloc_zeros(decode_len.max(1))?,
+            x_rows: gpu.alloc_zeros(r * h)?,
+            normed_rows: gpu.alloc_zeros(r * h)?,
+            logits: gpu.alloc_zeros(r * v)?,
+            sample_logits: gpu.alloc_zeros(r * v)?,
+            tokens: gpu.alloc_zeros(r)?,
+            logprobs: gpu.alloc_zeros(r)?,
+        })
+    }
+
+    fn shape_for(cfg: &ModelConfig, layout: PagedLayout) -> AttnShape {
+        AttnShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: layout.block_size,
+            num_blocks: 0,
+            q_row_stride: cfg.qkv_width(),
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// Checks the chunks and lays out their metadata as the kernels read it.
+    fn prepare(&self, chunks: &[BatchChunk<'_>], cfg: &ModelConfig, layout: &PagedLayout, num_blocks: usize) -> Result<HostBatch> {
+        let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        let rows = chunks.iter().filter(|c| c.want_logits && !c.tokens.is_empty()).count();
+        if tokens > self.max_tokens || chunks.len() > self.max_chunks || rows > self.max_rows {
+            return Err(Error::Device(format!(
+                "a step of {tokens} tokens in {} chunks exceeds the CUDA workspace ({} tokens, {} sequences)",
+                chunks.len(),
+                self.max_tokens,
+                self.max_chunks
+            )));
+        }
+        let mut ids = Vec::with_capacity(tokens);
+        let (mut positions, mut slots) = (Vec::with_capacity(tokens), Vec::with_capacity(tokens));
+        let mut cu_q = Vec::with_capacity(chunks.len() + 1);
+        let mut start_pos = Vec::with_capacity(chunks.len());
+        let mut logit_rows = Vec::with_capacity(rows);
+        let (mut max_q_len, mut max_context, mut max_blocks) = (0, 0, 1);
+        cu_q.push(0i32);
+        for c in chunks {
+            let end = c.start_pos + c.tokens.len();
+            if end > cfg.max_position_embeddings {
+                return Err(Error::PromptTooLong { prompt: end, max_tokens: 0, limit: cfg.max_position_embeddings });
+            }
+            let needed = end.div_ceil(layout.block_size);
+            if c.block_table.len() < needed || c.block_table.iter().any(|&b| b as usize >= num_blocks) || needed > self.max_blocks {
+                return Err(Error::Config("block table does not cover the chunk or names a block outside the pool".into()));
+            }
+            for (t, &tok) in c.tokens.iter().enumerate() {
+                if tok as usize >= cfg.vocab_size {
+                    return Err(Error::Tokenizer(format!("token id {tok} is outside the vocabulary of {}", cfg.vocab_size)));
+                }
+                let pos = c.start_pos + t;
+                ids.push(tok);
+                positions.push(pos as i32);
+                slots.push((c.block_table[pos / layout.block_size] as usize * layout.block_size + pos % layout.block_size) as i32);
+            }
+            if c.want_logits && !c.tokens.is_empty() {
+                logit_rows.push(ids.len() - 1);
+            }
+            cu_q.push(ids.len() as i32);
+            start_pos.push(c.start_pos as i32);
+            max_q_len = max_q_len.max(c.tokens.len());
+            max_context = max_context.max(end);
+            max_blocks = max_blocks.max(needed);
+        }
+        let mut meta = positions;
+        meta.extend(slots);
+        meta.extend(cu_q);
+        meta.extend(start_pos);
+        for c in chunks {
+            let needed = (c.start_pos + c.tokens.len()).div_ceil(layout.block_size);
+            meta.extend(c.block_table[..needed].iter().map(|&b| b as i32));
+            meta.extend(std::iter::repeat_n(-1, max_blocks - needed));
+        }
+        Ok(HostBatch {
+            tokens,
+            chunks: chunks.len(),
+            ids,
+            meta,
+            max_blocks,
+            max_q_len,
+            max_context,
+            all_decode: chunks.iter().all(|c| c.tokens.len() == 1),
+            logit_rows,
+        })
+    }
+}

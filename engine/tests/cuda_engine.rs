@@ -1,0 +1,287 @@
+//! The CUDA backend end to end, on a GPU: last-position logits against HF transformers (run on
+//! the same GPU, float32 and bfloat16) and against the CPU engine, chunked and batched runs
+//! against single runs, greedy generation against transformers, seeded sampling, and device
+//! memory over 10,000 requests.
+//!
+//! The reference models and outputs come from `scripts/reference/cuda_reference.py`, which
+//! `scripts/device-check.sh` runs first and points `TANDEM_CUDA_REF` at. Every test here is
+//! ignored on machines without a GPU and fails (never skips) when run without its inputs.
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use tandem_engine::config::ModelConfig;
+use tandem_engine::engine::{EngineConfig, FinishReason, Prompt};
+use tandem_engine::model::{BatchChunk, CudaModel, CudaSizing, KvCache, Model};
+use tandem_engine::sampling::SamplingParams;
+use tandem_engine::{Device, Engine};
+
+const GPU: &str = "needs a CUDA GPU (scripts/device-check.sh runs it)";
+
+fn ref_dir(name: &str) -> PathBuf {
+    let root = std::env::var("TANDEM_CUDA_REF").expect("TANDEM_CUDA_REF must name the output of scripts/reference/cuda_reference.py");
+    PathBuf::from(root).join(name)
+}
+
+struct Case {
+    name: String,
+    prompt: Vec<u32>,
+    logits_f32: Vec<f32>,
+    logits_bf16: Vec<f32>,
+    greedy_f32: Option<Vec<u32>>,
+    greedy_bf16: Option<Vec<u32>>,
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn cases(name: &str) -> Vec<Case> {
+    let text = std::fs::read_to_string(ref_dir(name).join("expected.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().to_string(),
+            prompt: ids(&c["prompt"]),
+            logits_f32: floats(&c["logits_f32"]),
+            logits_bf16: floats(&c["logits_bf16"]),
+            greedy_f32: c.get("greedy_f32").map(ids),
+            greedy_bf16: c.get("greedy_bf16").map(ids),
+        })
+        .collect()
+}
+
+/// ‖got − want‖₂ / ‖want‖₂, in f64.
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|x| x.is_finite()), "non-finite values in the output");
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (*g as f64 - *w as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn sizing(cfg: &ModelConfig) -> CudaSizing {
+    CudaSizing {
+        ordinal: 0,
+        block_size: 16,
+        memory_utilization: 0.5,
+        max_num_batched_tokens: 2048,
+        max_num_seqs: 64,
+        max_model_len: cfg.max_position_embeddings.min(4096),
+    }
+}
+
+/// Last-position logits with the prompt in chunks of `chunk` tokens over a scattered block table
+/// (CUDA backend).
+fn cuda_logits(model: &mut CudaModel, ids: &[u32], chunk: usize) -> Vec<f32> {
+    let blocks = ids.len().div_ceil(16);
+    let table: Vec<u32> = (0..blocks as u32).map(|b| 3 * blocks as u32 + 5 - 3 * b).collect();
+    let mut start = 0;
+    let mut logits = Vec::new();
+    while start < ids.len() {
+        let end = (start + chunk).min(ids.len());
+        let c = BatchChunk { tokens: &ids[start..end], start_pos: start, block_table: &table, want_logits: end == ids.len() };
+        logits = model.forward_logits(&[c]).unwrap();
+        start = end;
+    }
+    logits
+}
+
+fn cpu_logits(model: &Model, cfg: &ModelConfig, ids: &[u32]) -> Vec<f32> {
+    let blocks = ids.len().div_ceil(16);
+    let mut kv = KvCache::new(cfg, blocks, 16);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    model.forward(&[BatchChunk { tokens: ids, start_pos: 0, block_table: &table, want_logits: true }], &mut kv).unwrap()
+}
+
+fn check_logits(name: &str) {
+    let dir = ref_dir(name);
+    let cfg = ModelConfig::from_model_dir(&dir).unwrap();
+    let mut gpu = CudaModel::load(&dir, &cfg, sizing(&cfg)).unwrap();
+    let cpu = Model::load(&dir, &cfg).unwrap();
+    eprintln!("{name} on {}", gpu.device_name());
+    for case in cases(name) {
+        let got = cuda_logits(&mut gpu, &case.prompt, case.prompt.len());
+        let cpu_got = cpu_logits(&cpu, &cfg, &case.prompt);
+        let (e32, e16, ecpu, ecpu_hf) =
+            (rel_l2(&got, &case.logits_f32), rel_l2(&got, &case.logits_bf16), rel_l2(&got, &cpu_got), rel_l2(&cpu_got, &case.logits_f32));
+        eprintln!(
+            "{name} {}: cuda vs hf-f32 {e32:.2e}, vs hf-bf16 {e16:.2e}, vs cpu {ecpu:.2e}; cpu vs hf-f32 {ecpu_hf:.2e}; argmax cuda {} hf-f32 {}",
+            case.name,
+            argmax(&got),
+            argmax(&case.logits_f32)
+        );
+        assert!(ecpu_hf < 1e-4, "{name} {}: the CPU engine is off HF f32 by {ecpu_hf:e}", case.name);
+        assert!(e32 < 2e-2 && e16 < 2e-2 && ecpu < 2e-2, "{name} {}: CUDA logits off (hf-f32 {e32:e}, hf-bf16 {e16:e}, cpu {ecpu:e})", case.name);
+        // Chunked prefill reading earlier context from paged blocks gives the same logits.
+        for chunk in [64, 37] {
+            if chunk < case.prompt.len() {
+                let chunked = cuda_logits(&mut gpu, &case.prompt, chunk);
+                let e = rel_l2(&chunked, &got);
+                eprintln!("{name} {} chunks of {chunk}: vs single {e:.2e}", case.name);
+                assert!(e < 1e-2, "{name} {} chunks of {chunk}: {e:e} from the single-chunk logits", case.name);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn small_model_logits_match_transformers_and_cpu() {
+    check_logits("small");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn llama3_geometry_logits_match_transformers_and_cpu() {
+    check_logits("l3geom");
+}
+
+fn cuda_engine(name: &str, max_num_seqs: usize) -> Engine {
+    let cfg = EngineConfig { device: Device::Cuda { ordinal: 0 }, gpu_memory_utilization: 0.5, max_num_seqs, max_model_len: Some(4096), ..EngineConfig::default() };
+    Engine::load(&ref_dir(name), cfg).unwrap()
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { max_tokens, ignore_eos: true, ..SamplingParams::greedy() }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn small_model_greedy_matches_transformers() {
+    let _ = GPU;
+    let mut engine = cuda_engine("small", 64);
+    let cases = cases("small");
+    let mut agree_bf16 = 0;
+    for case in &cases {
+        let out = engine.generate(&Prompt::Tokens(case.prompt.clone()), greedy(32)).unwrap();
+        let got = &out[0].token_ids;
+        let (want16, want32) = (case.greedy_bf16.as_ref().unwrap(), case.greedy_f32.as_ref().unwrap());
+        let prefix = |w: &Vec<u32>| got.iter().zip(w).take_while(|(a, b)| a == b).count();
+        eprintln!("small {}: {} of 32 tokens agree with hf-bf16, {} with hf-f32", case.name, prefix(want16), prefix(want32));
+        assert_eq!(got.len(), 32);
+        if got == want16 || got == want32 {
+            agree_bf16 += 1;
+        }
+    }
+    assert_eq!(agree_bf16, cases.len(), "every prompt's 32 greedy tokens equal transformers' (bf16 or f32 run)");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn batched_and_chunked_generation_equals_single_runs() {
+    let prompts: Vec<Vec<u32>> = (0..12).map(|i| (0..(5 + 37 * i)).map(|j| 3 + ((j * 7 + i * 13) % 340) as u32).collect()).collect();
+    let mut engine = cuda_engine("small", 64);
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| engine.generate(&Prompt::Tokens(p.clone()), greedy(24)).unwrap()[0].token_ids.clone()).collect();
+    // All at once, with a small token budget so long prompts prefill in chunks beside decodes.
+    let cfg = EngineConfig {
+        device: Device::Cuda { ordinal: 0 },
+        gpu_memory_utilization: 0.5,
+        max_num_batched_tokens: 96,
+        max_model_len: Some(4096),
+        enable_prefix_caching: false,
+        ..EngineConfig::default()
+    };
+    let mut batched = Engine::load(&ref_dir("small"), cfg).unwrap();
+    let ids: Vec<_> = prompts.iter().map(|p| batched.add_request(&Prompt::Tokens(p.clone()), greedy(24)).unwrap()).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
+    while batched.has_unfinished() {
+        for out in batched.step().unwrap() {
+            let i = ids.iter().position(|&id| id == out.request).unwrap();
+            got[i].extend(out.token_ids);
+        }
+    }
+    let same = alone.iter().zip(&got).filter(|(a, b)| a == b).count();
+    eprintln!("batched + chunked: {same} of {} sequences identical to their single runs", alone.len());
+    for (i, (a, b)) in alone.iter().zip(&got).enumerate() {
+        let prefix = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        eprintln!("  prompt {i} ({} tokens): first {prefix} of 24 agree", prompts[i].len());
+    }
+    assert_eq!(same, alone.len());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn seeded_sampling_on_the_gpu_is_reproducible_and_reports_logprobs() {
+    let mut engine = cuda_engine("small", 64);
+    let prompt = Prompt::Tokens((3..40).collect());
+    let params = SamplingParams {
+        max_tokens: 40,
+        temperature: 0.8,
+        top_p: 0.9,
+        top_k: 50,
+        repetition_penalty: 1.1,
+        frequency_penalty: 0.2,
+        seed: Some(7),
+        logprobs: Some(3),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let a = engine.generate(&prompt, params.clone()).unwrap();
+    let b = engine.generate(&prompt, params.clone()).unwrap();
+    assert_eq!(a[0].token_ids, b[0].token_ids, "same seed, same tokens");
+    assert_eq!(a[0].logprobs.len(), 40);
+    for lp in &a[0].logprobs {
+        assert!(lp.logprob <= 0.0 && lp.logprob.is_finite());
+        assert_eq!(lp.top.len(), 3);
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+    let c = engine.generate(&prompt, SamplingParams { seed: Some(8), ..params.clone() }).unwrap();
+    assert_ne!(a[0].token_ids, c[0].token_ids, "another seed, other tokens");
+    // n > 1 forks draw from one row and diverge.
+    let n = engine.generate(&prompt, SamplingParams { n: 4, logprobs: None, ..params }).unwrap();
+    assert_eq!(n.len(), 4);
+    assert!(n.iter().all(|c| c.token_ids.len() == 40));
+    assert!(n.windows(2).any(|w| w[0].token_ids != w[1].token_ids));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn device_memory_does_not_grow_over_10000_requests() {
+    let dir = ref_dir("small");
+    let mut engine = cuda_engine("small", 64);
+    let _ = dir;
+    let mut submitted = 0usize;
+    let mut done = 0usize;
+    let mut free_after_warmup = None;
+    while done < 10_000 {
+        while submitted < 10_000 && submitted - done < 64 {
+            let len = 3 + submitted % 29;
+            let prompt: Vec<u32> = (0..len).map(|j| 3 + ((submitted * 31 + j * 11) % 340) as u32).collect();
+            let params = if submitted % 3 == 0 { SamplingParams { temperature: 0.7, seed: Some(submitted as u64), ..greedy(4) } } else { greedy(4) };
+            engine.add_request(&Prompt::Tokens(prompt), params).unwrap();
+            submitted += 1;
+        }
+        for out in engine.step().unwrap() {
+            if out.finish.is_some() {
+                assert_eq!(out.finish, Some(FinishReason::Length));
+                done += 1;
+            }
+        }
+        if done >= 200 && free_after_warmup.is_none() {
+            free_after_warmup = Some(engine.device_free_memory().unwrap());
+        }
+    }
+    let before = free_after_warmup.unwrap();
+    let after = engine.device_free_memory().unwrap();
+    eprintln!("free device memory after 200 requests {} MiB, after 10,000 {} MiB", before >> 20, after >> 20);
+    assert!(after + (8 << 20) >= before, "device memory grew by {} MiB", (before - after) >> 20);
+    assert_eq!(engine.current_load().free_blocks, engine.current_load().total_blocks);
+}
