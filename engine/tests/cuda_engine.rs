@@ -265,7 +265,7 @@ fn device_memory_does_not_grow_over_10000_requests() {
         while submitted < 10_000 && submitted - done < 64 {
             let len = 3 + submitted % 29;
             let prompt: Vec<u32> = (0..len).map(|j| 3 + ((submitted * 31 + j * 11) % 340) as u32).collect();
-            let params = if submitted % 3 == 0 { SamplingParams { temperature: 0.7, seed: Some(submitted as u64), ..greedy(4) } } else { greedy(4) };
+            let params = if submitted.is_multiple_of(3) { SamplingParams { temperature: 0.7, seed: Some(submitted as u64), ..greedy(4) } } else { greedy(4) };
             engine.add_request(&Prompt::Tokens(prompt), params).unwrap();
             submitted += 1;
         }
