@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: run the CUDA checks of tandem on the GPU machine.
 #
-#   scripts/device-check.sh [kernels] [reference] [model] [bench]     (default: all four)
+#   scripts/device-check.sh [kernels] [reference] [model] [cluster] [bench]     (default: all)
 #
 # Expects prebuilt binaries carried in .device/ (build them on the dev machine):
 #   .device/tandem                  the CLI
@@ -13,6 +13,7 @@
 #   reference  python3 scripts/reference/cuda_reference.py /tmp/cuda-ref, then
 #              TANDEM_CUDA_REF=/tmp/cuda-ref for the later stages
 #   model      .device/tests/cuda_engine-* --include-ignored --test-threads=1
+#   cluster    tandem up --device cuda --prompt P == tandem generate --device cuda P
 #   bench      .device/tandem bench engine --device cuda --hf-python python3
 #              --hf-script scripts/reference/hf_offline_bench.py $BENCH_ARGS
 #
@@ -41,7 +42,7 @@ OUT="${OUT:-/tmp/device-out}"
 PYTHON="${PYTHON:-python3}"
 CUDA_REF_DIR="${CUDA_REF_DIR:-/tmp/cuda-ref}"
 TEST_SELECT="${TEST_SELECT:---include-ignored}"
-ALL_STAGES=(kernels reference model bench)
+ALL_STAGES=(kernels reference model cluster bench)
 mkdir -p "$OUT"
 
 # ---- which stages -----------------------------------------------------------------
@@ -51,7 +52,7 @@ if (($# == 0)); then
 fi
 for arg in "$@"; do
     case "$arg" in
-        kernels | reference | model | bench) WANT[$arg]=1 ;;
+        kernels | reference | model | cluster | bench) WANT[$arg]=1 ;;
         all) for s in "${ALL_STAGES[@]}"; do WANT[$s]=1; done ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "device-check: unknown stage '$arg' (want: ${ALL_STAGES[*]} or all)" >&2; exit 2 ;;
@@ -61,7 +62,7 @@ done
 # ---- helpers ----------------------------------------------------------------------
 # run one command, under CMD_TIMEOUT if set
 cmd() {
-    echo "+ $*"
+    echo "+ $*" >&2
     if [[ -n "${CMD_TIMEOUT:-}" ]]; then
         timeout -k 10 "$CMD_TIMEOUT" "$@"
     else
@@ -96,7 +97,22 @@ stage_reference() {
     return 0
 }
 
-stage_model() { run_tests '.device/tests/cuda_engine-*' "$TEST_SELECT" --test-threads=1; }
+stage_model() { run_tests '.device/tests/cuda_engine-*' "$TEST_SELECT" --test-threads=1 --nocapture; }
+
+# The cluster on one GPU: `tandem up --device cuda` (prefill node + decode node, KV through the
+# CUDA pools' host mirrors over loopback TCP) must print what `tandem generate --device cuda` prints.
+stage_cluster() {
+    local model="$CUDA_REF_DIR/small" prompt="the quick brown fox jumps over the lazy dog and then"
+    [[ -f "$model/config.json" ]] || { echo "no $model: run the reference stage first"; return 1; }
+    local gen up t0=$SECONDS
+    gen=$(cmd .device/tandem generate --model "$model" --device cuda --max-tokens 24 "$prompt") || return 1
+    up=$(cmd .device/tandem up --model "$model" --device cuda --max-tokens 24 --listen 127.0.0.1:0 --prompt "$prompt") || return 1
+    up="${up#tandem up: serving on *$'\n'}"   # the address line comes first
+    echo "generate + up took $((SECONDS - t0)) s"
+    printf 'generate: %q\nup:       %q\n' "$gen" "$up"
+    [[ "$gen" == "$up" ]] || { echo "cluster output differs from generate"; return 1; }
+    echo "cluster == generate"
+}
 
 stage_bench() {
     local extra=()
@@ -146,6 +162,7 @@ if [[ -n "${WANT[model]:-}" ]]; then
     echo "TANDEM_CUDA_REF=${TANDEM_CUDA_REF:-<unset>}"
     run_stage model || true
 fi
+if [[ -n "${WANT[cluster]:-}" ]]; then run_stage cluster || true; fi
 if [[ -n "${WANT[bench]:-}" ]]; then run_stage bench || true; fi
 
 echo

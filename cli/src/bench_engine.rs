@@ -251,9 +251,10 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         for _ in 0..batch {
             engine.add_request(&Prompt::Tokens(random_prompt(&mut rng, args.context, vocab)), greedy(steps + 4))?;
         }
-        let mut started = 0;
-        while started < batch {
-            started += engine.step()?.len();
+        // Until every sequence has its first token (prefills run in chunks beside early decodes).
+        let mut started = std::collections::HashSet::new();
+        while started.len() < batch {
+            started.extend(engine.step()?.into_iter().map(|o| o.request));
         }
         let mut times = Vec::new();
         for _ in 0..steps {

@@ -379,7 +379,11 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let membership = Membership::memory();
         let fabric = Fabric::new();
-        let prefill = PrefillNode::start(setup.clone(), &fabric).await?;
+        // On one GPU both engines share the memory budget: `gpu_memory_utilization` counts what is
+        // in use already, so the prefill engine (loaded first) takes half and the decode engine the rest.
+        let mut prefill_setup = setup.clone();
+        prefill_setup.engine.gpu_memory_utilization /= 2.0;
+        let prefill = PrefillNode::start(prefill_setup, &fabric).await?;
         let opts = DecodeOptions { local_prefill_below: args.local_prefill_below, ..DecodeOptions::default() };
         let decode = DecodeNode::start(setup, opts, &fabric).await?;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -210,6 +210,12 @@ impl Backend {
             (Backend::Cpu { model, kv }, None) => model.forward(chunks, kv).map(Logits::Host),
             (Backend::Cpu { model, kv }, Some(o)) => model.forward_observed(chunks, kv, &mut |l, kv| (o.on_layer)(l, Some(kv))).map(Logits::Host),
             (Backend::Cuda(m), None) => m.forward(chunks).map(|()| Logits::Device),
+            // Nothing completes: no staging, layers reported once the pass is enqueued.
+            (Backend::Cuda(m), Some(o)) if o.stage.is_empty() => {
+                m.forward(chunks)?;
+                (0..m.config().num_layers).for_each(|l| (o.on_layer)(l, None));
+                Ok(Logits::Device)
+            }
             (Backend::Cuda(m), Some(o)) => m.forward_staged(chunks, o.stage, &mut |l| (o.on_layer)(l, None)).map(|()| Logits::Device),
         }
     }

@@ -846,3 +846,56 @@ impl Workspace {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn graph_buckets_cover_every_batch_and_context() {
+        for batch in 1..=256 {
+            let k = graph_key(batch, 700, 256, 4096).unwrap();
+            assert!(k.batch >= batch && k.batch <= 256, "{batch} -> {k:?}");
+            assert_eq!(k.context, 1024);
+        }
+        let buckets: std::collections::BTreeSet<usize> = (1..=256).map(|b| graph_key(b, 1, 256, 4096).unwrap().batch).collect();
+        assert_eq!(buckets.len(), 4 + 7 + 6, "1, 2, 4, 8; 16..64 by 8; 96..256 by 32: {buckets:?}");
+        assert_eq!(graph_key(0, 1, 256, 4096), None);
+        assert_eq!(graph_key(257, 1, 256, 4096), None);
+        assert_eq!(graph_key(100, 100, 100, 4096).unwrap().batch, 100, "capped at the workspace");
+        assert_eq!(graph_key(3, 3000, 8, 4096).unwrap().context, 4096);
+        assert_eq!(graph_key(3, 3000, 8, 3500).unwrap().context, 3500, "capped at the context limit");
+    }
+
+    #[test]
+    fn block_runs_merge_consecutive_ids() {
+        assert_eq!(block_runs(&[7, 3, 4, 5, 9, 8, 4]), vec![(3, 3), (7, 3)]);
+        assert_eq!(block_runs(&[]), vec![]);
+        assert_eq!(block_runs(&[0]), vec![(0, 1)]);
+    }
+
+    #[test]
+    fn padded_decode_batches_keep_real_rows_and_mask_the_rest() {
+        let host = HostBatch {
+            tokens: 2,
+            chunks: 2,
+            ids: vec![11, 12],
+            // positions, slots, cu_q, start_pos, tables (width 2)
+            meta: vec![5, 17, 37, 81, 0, 1, 2, 5, 17, 2, 4, 5, -1],
+            max_blocks: 2,
+            max_q_len: 1,
+            max_context: 18,
+            all_decode: true,
+            logit_rows: vec![0, 1],
+        };
+        let p = host.padded(4, 1024, 3);
+        assert_eq!(p.ids, vec![11, 12, 0, 0]);
+        assert_eq!(p.meta[0..4], [5, 17, 0, 0], "positions");
+        assert_eq!(p.meta[4..8], [37, 81, -1, -1], "slots: padding writes nothing");
+        assert_eq!(p.meta[8..13], [0, 1, 2, 3, 4], "cu_q");
+        assert_eq!(p.meta[13..17], [5, 17, 0, 0], "start_pos");
+        assert_eq!(p.meta[17..], [2, 4, -1, 5, -1, -1, -1, -1, -1, -1, -1, -1], "tables widened to 3, padding rows empty");
+        assert_eq!((p.tokens, p.chunks, p.max_blocks, p.max_context), (4, 4, 3, 1024));
+        assert_eq!(p.logit_rows, vec![0, 1, 2, 3]);
+    }
+}
