@@ -42,6 +42,10 @@ const LLAMA31_8B: &str = r#"{
   "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128001
 }"#;
 
+/// Tokens a decode-measurement sequence may generate: the timed steps plus the steps its batch
+/// spends prefilling the later prompts.
+const DECODE_ROOM: usize = 512;
+
 /// Arguments of `tandem bench engine`.
 #[derive(Args, Debug)]
 pub(crate) struct EngineBenchArgs {
@@ -233,7 +237,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         gpu_memory_utilization: args.gpu_memory_utilization,
         max_num_seqs: max_batch.max(args.requests),
         max_num_batched_tokens: max_prefill.max(8192),
-        max_model_len: Some((args.context + 64).max(max_prefill + 1).max(args.prompt_len + args.output_len)),
+        max_model_len: Some((args.context + DECODE_ROOM).max(max_prefill + 1).max(args.prompt_len + args.output_len)),
         enable_prefix_caching: false,
         ..EngineConfig::default()
     };
@@ -244,12 +248,15 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     let vocab = cfg.vocab_size;
     let mut rng = SmallRng::seed_from_u64(0x7a6d);
 
-    // Decode: `batch` sequences at `context` tokens, then the median step time over 24 steps.
+    // Decode: `batch` sequences at `context` tokens, then the median step time over 24 steps. The
+    // prompts prefill in chunks, so the first sequences decode while the last prefill: they get
+    // room for `DECODE_ROOM` tokens and are aborted once the steps are timed.
     let steps = 24;
     let mut decode = Vec::new();
     for &batch in &args.batches {
+        let mut ids = Vec::with_capacity(batch);
         for _ in 0..batch {
-            engine.add_request(&Prompt::Tokens(random_prompt(&mut rng, args.context, vocab)), greedy(steps + 4))?;
+            ids.push(engine.add_request(&Prompt::Tokens(random_prompt(&mut rng, args.context, vocab)), greedy(DECODE_ROOM))?);
         }
         // Until every sequence has its first token (prefills run in chunks beside early decodes).
         let mut started = std::collections::HashSet::new();
@@ -263,9 +270,10 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
             times.push(t.elapsed().as_secs_f64());
             ensure!(n == batch, "a decode step produced {n} tokens for {batch} sequences");
         }
-        while engine.has_unfinished() {
-            engine.step()?;
+        for id in ids {
+            engine.abort(id);
         }
+        ensure!(!engine.has_unfinished(), "requests left after the decode measurement");
         let step = median(times[4..].to_vec());
         let bytes = weight_bytes(&cfg) + batch as f64 * (args.context + steps / 2) as f64 * kv_bytes_per_token(&cfg);
         let floor = bytes / ceil.copy_bytes_s;

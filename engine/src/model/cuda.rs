@@ -339,7 +339,7 @@ impl CudaModel {
             self.copy_stream.wait(ev).map_err(dev)?;
             for &(first, len) in &runs {
                 let range = first as usize * n..(first + len) as usize * n;
-                self.copy_stream.memcpy_dtoh(&self.kv[l].slice(range.clone()), &mut mirror.layers[l][range]).map_err(dev)?;
+                self.copy_stream.memcpy_dtoh(&self.kv[l].slice(range.clone()), mirror.range_mut(l, range)).map_err(dev)?;
             }
             self.copy_stream.synchronize().map_err(dev)?;
             on_layer(l);
@@ -361,7 +361,7 @@ impl CudaModel {
         for (l, layer) in self.kv.iter_mut().enumerate() {
             for &(first, len) in &block_runs(blocks) {
                 let range = first as usize * n..(first + len) as usize * n;
-                stream.memcpy_htod(&mirror.layers[l][range.clone()], &mut layer.slice_mut(range)).map_err(dev)?;
+                stream.memcpy_htod(mirror.range(l, range.clone()), &mut layer.slice_mut(range)).map_err(dev)?;
             }
         }
         stream.synchronize().map_err(dev)?;
@@ -371,7 +371,7 @@ impl CudaModel {
     /// The host mirror of the pool, allocated (zeroed) on first use.
     pub fn mirror(&mut self) -> &mut HostKvMirror {
         let (layers, elems) = (self.cfg.num_layers, self.num_blocks * self.layout.block_elems());
-        self.mirror.get_or_insert_with(|| HostKvMirror { layers: (0..layers).map(|_| vec![bf16::ZERO; elems]).collect(), num_blocks: self.num_blocks, block_elems: self.layout.block_elems() })
+        self.mirror.get_or_insert_with(|| HostKvMirror { layers: (0..layers).map(|_| vec![0u16; elems]).collect(), num_blocks: self.num_blocks, block_elems: self.layout.block_elems() })
     }
 
     /// Records one padded decode step into a CUDA graph.
@@ -593,7 +593,9 @@ fn block_runs(blocks: &[u32]) -> Vec<(u32, u32)> {
 /// the engine uploads them before the request runs ([`CudaModel::upload_from_mirror`]). The
 /// buffers never move once allocated.
 pub struct HostKvMirror {
-    layers: Vec<Vec<bf16>>,
+    /// bf16 bit patterns: `vec![0u16; n]` is a calloc, so untouched blocks cost no memory (the
+    /// mirror of a large pool is mostly never written).
+    layers: Vec<Vec<u16>>,
     num_blocks: usize,
     block_elems: usize,
 }
@@ -618,13 +620,21 @@ impl HostKvMirror {
     /// One block of one layer (bf16).
     pub fn block(&self, layer: usize, block: u32) -> &[bf16] {
         let n = self.block_elems;
-        &self.layers[layer][block as usize * n..(block as usize + 1) * n]
+        bytemuck::cast_slice(&self.layers[layer][block as usize * n..(block as usize + 1) * n])
     }
 
     /// One block of one layer, mutable.
     pub fn block_mut(&mut self, layer: usize, block: u32) -> &mut [bf16] {
         let n = self.block_elems;
-        &mut self.layers[layer][block as usize * n..(block as usize + 1) * n]
+        bytemuck::cast_slice_mut(&mut self.layers[layer][block as usize * n..(block as usize + 1) * n])
+    }
+
+    fn range(&self, layer: usize, range: std::ops::Range<usize>) -> &[bf16] {
+        bytemuck::cast_slice(&self.layers[layer][range])
+    }
+
+    fn range_mut(&mut self, layer: usize, range: std::ops::Range<usize>) -> &mut [bf16] {
+        bytemuck::cast_slice_mut(&mut self.layers[layer][range])
     }
 }
 
