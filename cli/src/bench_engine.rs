@@ -148,6 +148,70 @@ fn measure_ceilings(ordinal: usize) -> anyhow::Result<(String, Ceilings)> {
     Ok((name, Ceilings { copy_bytes_s, gemm_flops }))
 }
 
+/// Where a decode step's time goes: one layer's GEMMs at `m = batch` and its decode attention over
+/// `batch` sequences of `context` tokens, each timed alone with CUDA events, times the layer
+/// count, plus the LM head (ms per step, and the bytes each part must read).
+struct Breakdown {
+    gemm_ms: f64,
+    gemm_bytes: f64,
+    attn_ms: f64,
+    attn_bytes: f64,
+}
+
+fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) -> anyhow::Result<Breakdown> {
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let qkv_w = (nh + 2 * nkv) * hd;
+    let mut rng = SmallRng::seed_from_u64(3);
+    let mut random = |n: usize| -> anyhow::Result<cuda::CudaSlice<bf16>> {
+        let host: Vec<bf16> = (0..n).map(|_| bf16::from_f32(rng.random_range(-0.05f32..0.05))).collect();
+        Ok(gpu.upload(&host)?)
+    };
+    // (rows n, cols k) of each GEMM of a layer, then the LM head.
+    let shapes = [(qkv_w, h), (h, nh * hd), (2 * i, h), (h, i)];
+    let mut gemm_ms = 0.0;
+    let mut gemm_bytes = 0.0;
+    for &(n, k) in shapes.iter().chain(std::iter::once(&(v, h))) {
+        let layers = if n == v { 1.0 } else { cfg.num_layers as f64 };
+        let w = random(n * k)?;
+        let x = random(batch * k)?;
+        let mut out = gpu.alloc_zeros::<f32>(batch * n)?;
+        let ms = time_events(gpu, 2, 10, || {
+            cuda::gemm(gpu, &x.slice(..), &w.slice(..), GemmOut::F32 { out: &mut out.slice_mut(..), accumulate: false }, batch, n, k)?;
+            Ok(())
+        })?;
+        gemm_ms += ms * layers;
+        gemm_bytes += (n * k * 2) as f64 * layers;
+    }
+    let block_size = 16;
+    let blocks_per_seq = context.div_ceil(block_size);
+    let num_blocks = batch * blocks_per_seq;
+    let cache = random(num_blocks * 2 * nkv * block_size * hd)?;
+    let q = random(batch * qkv_w)?;
+    let mut out = gpu.alloc_zeros::<bf16>(batch * nh * hd)?;
+    let cu_q = gpu.upload(&(0..=batch as i32).collect::<Vec<_>>())?;
+    let start_pos = gpu.upload(&vec![context as i32 - 1; batch])?;
+    let tables = gpu.upload(&(0..num_blocks as i32).collect::<Vec<_>>())?;
+    let shape = cuda::AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, block_size, num_blocks, q_row_stride: qkv_w, scale: 1.0 / (hd as f32).sqrt() };
+    let mut ws = gpu.alloc_zeros::<f32>(cuda::decode_workspace_len(batch, &shape, context).max(1))?;
+    let (cu_q, start_pos, tables) = (cu_q.slice(..), start_pos.slice(..), tables.slice(..));
+    let meta = cuda::AttnMeta {
+        cu_q: &cu_q,
+        start_pos: &start_pos,
+        block_tables: &tables,
+        num_chunks: batch,
+        max_blocks: blocks_per_seq,
+        max_q_len: 1,
+        max_context: context,
+    };
+    let attn_ms = time_events(gpu, 2, 10, || {
+        cuda::decode_attention(gpu, &q.slice(..), &meta, &shape, &cache.slice(..), &mut ws.slice_mut(..), &mut out.slice_mut(..))?;
+        Ok(())
+    })? * cfg.num_layers as f64;
+    let attn_bytes = (batch * context * 2 * nkv * hd * 2 * cfg.num_layers) as f64;
+    Ok(Breakdown { gemm_ms, gemm_bytes, attn_ms, attn_bytes })
+}
+
 /// Parameters in the weight matrices, split into the per-token GEMM part and the embedding.
 fn params(cfg: &ModelConfig) -> (f64, f64) {
     let (h, i, v) = (cfg.hidden_size as f64, cfg.intermediate_size as f64, cfg.vocab_size as f64);
@@ -229,6 +293,15 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     eprintln!("measuring the ceilings ...");
     let (device_name, ceil) = measure_ceilings(ordinal)?;
     eprintln!("copy {:.2} TB/s, bf16 GEMM {:.0} TFLOP/s", ceil.copy_bytes_s / 1e12, ceil.gemm_flops / 1e12);
+    let mut breakdowns = Vec::new();
+    {
+        let gpu = Gpu::new(ordinal)?;
+        for &batch in &args.batches {
+            let b = decode_breakdown(&gpu, &cfg, batch, args.context)?;
+            eprintln!("decode batch {batch} parts: GEMMs {:.2} ms, attention {:.2} ms", b.gemm_ms, b.attn_ms);
+            breakdowns.push((batch, b));
+        }
+    }
 
     let max_batch = *args.batches.iter().max().unwrap_or(&1);
     let max_prefill = args.prefill.iter().copied().max().unwrap_or(0);
@@ -336,6 +409,18 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
             floor * 1e3,
             floor / step * 100.0
         );
+    }
+    // A part of the step timed alone: its time next to its bytes at the copy bandwidth.
+    let part = |name: String, ms: f64, bytes: f64| {
+        let floor_ms = bytes / ceil.copy_bytes_s * 1e3;
+        let tb_s = bytes / (ms * 1e-3) / 1e12;
+        println!("{:<44} {:>11.2} ms {:>11.2} ms {:>8.0}%", format!("{name} ({tb_s:.2} TB/s)"), ms, floor_ms, floor_ms / ms * 100.0);
+    };
+    for (batch, b) in &breakdowns {
+        let step = decode.iter().find(|d| d.0 == *batch).map_or(f64::NAN, |d| d.1 * 1e3);
+        part(format!("  batch {batch}: GEMMs alone"), b.gemm_ms, b.gemm_bytes);
+        part(format!("  batch {batch}: attention alone"), b.attn_ms, b.attn_bytes);
+        println!("{:<44} {:>11.2} ms", format!("  batch {batch}: the rest of the step"), step - b.gemm_ms - b.attn_ms);
     }
     for (len, tok_s, util) in &prefill {
         println!("{:<44} {:>10.0} t/s {:>10.0} t/s {:>8.0}%", format!("prefill {len} tokens"), tok_s, tok_s / util, util * 100.0);
