@@ -6,8 +6,7 @@
 // row is read from memory once per step, not once per query head. It streams its keys in tiles of
 // DEC_TILE rows: K and V tiles go global -> shared with 16-byte cp.async copies (consecutive threads
 // copy consecutive 16 bytes of a row; a block's rows for one head are contiguous, so the copies
-// coalesce), double-buffered: tile i+1's copies are in flight while tile i is computed, so the
-// CTA keeps memory busy instead of alternating between loading and computing. Per tile:
+// coalesce), then
 //   scores: thread t takes key t % 64 and half the heads; each K chunk is read from shared memory
 //           once and used for all its heads (q is in shared memory as f32, pre-scaled);
 //   softmax: one warp per head updates the running max m and sum l (online softmax, f32);
@@ -26,8 +25,7 @@
 template <int HD>
 struct DecodeSmem {
     static constexpr int ROW = HD + 8;  // padded row: 16-byte accesses of 8 consecutive rows hit distinct banks
-    static constexpr int KV_BYTES = DEC_TILE * ROW * 2;  // one K (or V) tile
-    static constexpr int STAGES = 2;
+    static constexpr int KV_BYTES = DEC_TILE * ROW * 2;
 };
 
 template <int HD>
@@ -43,15 +41,15 @@ __device__ void decode_attention(const AttnParams& P, const bf16* __restrict__ q
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    // Stage st: K tile at st * 2 * DEC_TILE * ROW, V tile right after it.
-    bf16* const kv_s = reinterpret_cast<bf16*>(smem);
-    float* qs = reinterpret_cast<float*>(smem + 2 * DecodeSmem<HD>::STAGES * DecodeSmem<HD>::KV_BYTES);  // [G][HD]
+    bf16* Ks = reinterpret_cast<bf16*>(smem);
+    bf16* Vs = Ks + DEC_TILE * ROW;
+    float* qs = reinterpret_cast<float*>(smem + 2 * DecodeSmem<HD>::KV_BYTES);  // [G][HD]
     float* ps = qs + G * HD;                                                     // [G][DEC_TILE]
     float* m_s = ps + G * DEC_TILE;                                              // [G]
     float* l_s = m_s + G;                                                        // [G]
     float* alpha_s = l_s + G;                                                    // [G]
-    long long* koff_all = reinterpret_cast<long long*>(alpha_s + G + 1) ;        // [STAGES][DEC_TILE]
-    koff_all = reinterpret_cast<long long*>((reinterpret_cast<size_t>(koff_all) + 7) & ~size_t(7));
+    long long* koff = reinterpret_cast<long long*>(alpha_s + G + 1) ;            // [DEC_TILE]
+    koff = reinterpret_cast<long long*>((reinterpret_cast<size_t>(koff) + 7) & ~size_t(7));
 
     const int q0 = cu_q[c];
     const int tok_ok = (cu_q[c + 1] - q0 == 1) && q0 >= 0 && q0 < P.q_rows;
@@ -90,12 +88,8 @@ __device__ void decode_attention(const AttnParams& P, const bf16* __restrict__ q
     const int* table = block_tables + (size_t)c * P.max_blocks;
     const long long v_shift = (long long)P.kv_heads * P.block_size * HD;
 
-    // Issues the copies of the tile starting at key t0 into stage st (one commit group). The
-    // caller guarantees nobody still reads that stage.
-    auto load_tile = [&](int t0, int st) {
-        long long* koff = koff_all + st * DEC_TILE;
-        bf16* Kst = kv_s + st * 2 * DEC_TILE * ROW;
-        bf16* Vst = Kst + DEC_TILE * ROW;
+    for (int t0 = k_begin; t0 < k_end; t0 += DEC_TILE) {
+        __syncthreads();  // the previous tile's Ks/Vs/ps are no longer read
         if (tid < DEC_TILE) {
             const int p = t0 + tid;
             koff[tid] = p < k_end ? kv_row_offset(P, table, p, kvh, HD) : -1;
@@ -105,26 +99,12 @@ __device__ void decode_attention(const AttnParams& P, const bf16* __restrict__ q
             const int r = i / CHUNKS, ch = i % CHUNKS;
             const long long off = koff[r];
             const bf16* src = cache + (off >= 0 ? off : 0) + ch * 8;
-            cp_async16(Kst + r * ROW + ch * 8, src, off >= 0);
-            cp_async16(Vst + r * ROW + ch * 8, src + (off >= 0 ? v_shift : 0), off >= 0);
+            cp_async16(Ks + r * ROW + ch * 8, src, off >= 0);
+            cp_async16(Vs + r * ROW + ch * 8, src + (off >= 0 ? v_shift : 0), off >= 0);
         }
         cp_async_commit();
-    };
-
-    load_tile(k_begin, 0);
-    int st = 0;
-    for (int t0 = k_begin; t0 < k_end; t0 += DEC_TILE, st ^= 1) {
-        // The other stage was last read by the previous tile, which ended with a barrier.
-        if (t0 + DEC_TILE < k_end) {
-            load_tile(t0 + DEC_TILE, st ^ 1);
-            cp_async_wait<1>();  // this tile's group is done; the next one may still fly
-        } else {
-            cp_async_wait<0>();
-        }
+        cp_async_wait<0>();
         __syncthreads();
-        const long long* koff = koff_all + st * DEC_TILE;
-        const bf16* Ks = kv_s + st * 2 * DEC_TILE * ROW;
-        const bf16* Vs = Ks + DEC_TILE * ROW;
 
         // Scores: thread -> key tid % 64, heads tid / 64, tid / 64 + 2, ...
         {
@@ -198,8 +178,8 @@ __device__ void decode_attention(const AttnParams& P, const bf16* __restrict__ q
                 for (int e = 0; e < 8; e++) acc[j][e] += p * vf[e];
             }
         }
-        __syncthreads();  // this stage, ps and alpha_s are free for the next tile
     }
+    __syncthreads();
 
     // Combine the key partitions (parts > 1) through shared memory (the K tile is free now).
     float* red = reinterpret_cast<float*>(smem);  // [parts][items][8]

@@ -268,11 +268,10 @@ pub fn decode_attention(
     })?;
     p.num_splits = splits as i32;
     let (hd, group) = (shape.head_dim, p.group as usize);
-    // Two stages of K and V tiles, q, scores, softmax state, and two stages of row offsets.
-    let smem = 2 * 2 * KEY_TILE * (hd + 8) * 2
+    let smem = 2 * KEY_TILE * (hd + 8) * 2
         + (group * hd + group * KEY_TILE + 3 * group + 1) * 4
         + 8
-        + 2 * KEY_TILE * 8;
+        + KEY_TILE * 8;
     debug_assert!(smem <= MAX_DYNAMIC_SMEM);
     let kernel = if hd == 64 {
         Kernel::DecodeAttentionHd64
