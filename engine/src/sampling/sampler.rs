@@ -309,6 +309,49 @@ mod tests {
         p
     }
 
+    /// A device sampler gets exactly the RNG draws the host sampler would make (none for
+    /// greedy steps), and the host finishes its top logprobs from the penalised row exactly as
+    /// `sample` reports them.
+    #[test]
+    fn device_steps_draw_like_host_steps_and_finish_top_logprobs_alike() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37 % 23) as f32 - 11.0) / 3.0).collect();
+        let (prompt, output) = ([1u32, 2, 2, 7], [7u32, 9]);
+        for temperature in [0.0f32, 0.7] {
+            let p = params(|p| {
+                p.temperature = temperature;
+                p.top_p = 0.9;
+                p.repetition_penalty = 1.2;
+                p.frequency_penalty = 0.3;
+                p.logprobs = Some(4);
+            });
+            let (mut host, mut dev) = (Sampler::new(&p, 42), Sampler::new(&p, 42));
+            let mut reference = Sampler::new(&p, 42);
+            for _ in 0..5 {
+                let step = dev.device_step();
+                let want_u = if temperature == 0.0 { 0.0 } else { reference.rng.random::<f64>() };
+                assert_eq!(step.uniform, want_u, "the device step's draw is the host's next draw");
+                assert_eq!((step.temperature, step.top_p, step.repetition, step.frequency, step.logprobs), (temperature, 0.9, 1.2, 0.3, 4));
+                assert!(step.penalised);
+                // The penalised row as the device writes it back.
+                let mut penalised = logits.clone();
+                for (t, count) in super::super::penalties::penalty_history(&prompt, &output, logits.len()) {
+                    let l = &mut penalised[t as usize];
+                    *l = if *l > 0.0 { *l / 1.2 } else { *l * 1.2 };
+                    if count > 0 {
+                        *l -= 0.3 * count as f32;
+                    }
+                }
+                let sampled = host.sample(&logits, &prompt, &output);
+                let top = dev.top_logprobs_of_penalised(&penalised);
+                assert_eq!(top.len(), 4);
+                for (a, b) in top.iter().zip(&sampled.top_logprobs) {
+                    assert_eq!(a.0, b.0);
+                    assert!((a.1 - b.1).abs() < 1e-5, "{a:?} vs {b:?}");
+                }
+            }
+        }
+    }
+
     fn softmax(l: &[f32], t: f32) -> Vec<f64> {
         let m = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         let e: Vec<f64> = l.iter().map(|&x| f64::from((x - m) / t).exp()).collect();
