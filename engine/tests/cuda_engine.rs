@@ -16,8 +16,6 @@ use tandem_engine::model::{BatchChunk, CudaModel, CudaSizing, KvCache, Model};
 use tandem_engine::sampling::SamplingParams;
 use tandem_engine::{Device, Engine};
 
-const GPU: &str = "needs a CUDA GPU (scripts/device-check.sh runs it)";
-
 fn ref_dir(name: &str) -> PathBuf {
     let root = std::env::var("TANDEM_CUDA_REF").expect("TANDEM_CUDA_REF must name the output of scripts/reference/cuda_reference.py");
     PathBuf::from(root).join(name)
@@ -173,7 +171,6 @@ fn greedy(max_tokens: usize) -> SamplingParams {
 #[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
 fn small_model_greedy_matches_transformers() {
     const NEAR_TIE: f64 = 0.05;
-    let _ = GPU;
     let dir = ref_dir("small");
     let cfg = ModelConfig::from_model_dir(&dir).unwrap();
     let mut gpu = CudaModel::load(&dir, &cfg, sizing(&cfg)).unwrap();
@@ -295,9 +292,7 @@ fn seeded_sampling_on_the_gpu_is_reproducible_and_reports_logprobs() {
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
 fn device_memory_does_not_grow_over_10000_requests() {
-    let dir = ref_dir("small");
     let mut engine = cuda_engine("small", 64);
-    let _ = dir;
     let mut submitted = 0usize;
     let mut done = 0usize;
     let mut free_after_warmup = None;

@@ -12,7 +12,9 @@
 //! - the residual stream is f32; GEMM inputs and the KV cache are bf16 (f32 accumulation);
 //! - every buffer is allocated once, at load, for the largest step the scheduler can build
 //!   (`max_num_batched_tokens` tokens, `max_num_seqs` logits rows), so a step allocates no
-//!   device memory and device memory does not grow with the number of requests;
+//!   device memory and device memory does not grow with the number of requests (the one
+//!   exception: the sampler's penalty-history buffers grow, by doubling, to the longest history
+//!   a step has needed);
 //! - the KV pool takes `memory_utilization` of the GPU's total memory minus what is in use once
 //!   weights and workspace are resident;
 //! - within a layer every chunk's K/V is written before attention reads, as on the CPU.
@@ -75,6 +77,12 @@ struct Workspace {
     sample_logits: CudaSlice<f32>,
     tokens: CudaSlice<u32>,
     logprobs: CudaSlice<f32>,
+    /// Sampler inputs: per-draw parameters `[R]`, penalty-history offsets `[R+1]`, and the
+    /// histories' tokens and output counts (grown to the longest history seen).
+    params: CudaSlice<SampleParams>,
+    pen_offsets: CudaSlice<i32>,
+    pen_tokens: CudaSlice<i32>,
+    pen_counts: CudaSlice<i32>,
 }
 
 /// A model resident on one GPU with its KV pool.
@@ -119,33 +127,23 @@ impl CudaModel {
         Self::check_shape(cfg)?;
         let gpu = Gpu::new(sizing.ordinal)?;
         let store = WeightStore::open(dir)?;
-        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (q_rows, kv_rows) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-        let up = |name: &str, shape: &[usize]| -> Result<CudaSlice<bf16>> { Ok(gpu.upload(&bf16_vec(&store.f32(name, shape)?))?) };
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let up = |w: &[f32]| -> Result<CudaSlice<bf16>> { Ok(gpu.upload(&bf16_vec(w))?) };
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
-            let mut qkv = store.f32(&format!("{p}.self_attn.q_proj.weight"), &[q_rows, h])?;
-            qkv.extend(store.f32(&format!("{p}.self_attn.k_proj.weight"), &[kv_rows, h])?);
-            qkv.extend(store.f32(&format!("{p}.self_attn.v_proj.weight"), &[kv_rows, h])?);
-            let mut gate_up = store.f32(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?;
-            gate_up.extend(store.f32(&format!("{p}.mlp.up_proj.weight"), &[i, h])?);
+            let w = super::Layer::load(&store, cfg, l)?;
             layers.push(Layer {
-                input_norm: up(&format!("{p}.input_layernorm.weight"), &[h])?,
-                qkv: gpu.upload(&bf16_vec(&qkv))?,
-                o: up(&format!("{p}.self_attn.o_proj.weight"), &[h, q_rows])?,
-                post_norm: up(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_up: gpu.upload(&bf16_vec(&gate_up))?,
-                down: up(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                input_norm: up(&w.input_norm)?,
+                qkv: up(&w.qkv)?,
+                o: up(&w.o)?,
+                post_norm: up(&w.post_norm)?,
+                gate_up: up(&w.gate_up)?,
+                down: up(&w.down)?,
             });
         }
-        let lm_head = if cfg.tie_word_embeddings && !store.contains("lm_head.weight") {
-            None
-        } else {
-            Some(up("lm_head.weight", &[v, h])?)
-        };
-        let embed = up("model.embed_tokens.weight", &[v, h])?;
-        let norm = up("model.norm.weight", &[h])?;
+        let lm_head = super::load_lm_head(&store, cfg)?.map(|w| up(&w)).transpose()?;
+        let embed = up(&store.f32("model.embed_tokens.weight", &[v, h])?)?;
+        let norm = up(&store.f32("model.norm.weight", &[h])?)?;
         Self::assemble(gpu, cfg, Weights { embed, layers, norm, lm_head }, sizing)
     }
 
@@ -276,8 +274,8 @@ impl CudaModel {
         }
         let stream = self.gpu.stream().clone();
         for layer in &mut self.kv {
-            stream.memcpy_dtod(&layer.slice(s..s + n), &mut self.bounce).map_err(|e| Error::Device(e.to_string()))?;
-            stream.memcpy_dtod(&self.bounce, &mut layer.slice_mut(d..d + n)).map_err(|e| Error::Device(e.to_string()))?;
+            stream.memcpy_dtod(&layer.slice(s..s + n), &mut self.bounce).map_err(dev)?;
+            stream.memcpy_dtod(&self.bounce, &mut layer.slice_mut(d..d + n)).map_err(dev)?;
         }
         Ok(())
     }
@@ -415,15 +413,7 @@ impl CudaModel {
             max_q_len: host.max_q_len,
             max_context: host.max_context,
         };
-        let shape = AttnShape {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            block_size: self.layout.block_size,
-            num_blocks: self.num_blocks,
-            q_row_stride: qkv_w,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let shape = attn_shape(cfg, self.layout, self.num_blocks);
         let eps = cfg.rms_norm_eps;
         cuda::embedding(gpu, &self.embed.slice(..), &ws.ids.slice(0..t), &mut ws.x.slice_mut(0..t * h))?;
         for (l, layer) in self.layers.iter().enumerate() {
@@ -453,13 +443,12 @@ impl CudaModel {
             return Ok(());
         }
         let stream = gpu.stream().clone();
-        let dtod = |e: DriverError| Error::Device(e.to_string());
         if host.logit_rows.iter().enumerate().any(|(i, &r)| i != r) {
             for (i, &r) in host.logit_rows.iter().enumerate() {
-                stream.memcpy_dtod(&ws.x.slice(r * h..(r + 1) * h), &mut ws.x_rows.slice_mut(i * h..(i + 1) * h)).map_err(dtod)?;
+                stream.memcpy_dtod(&ws.x.slice(r * h..(r + 1) * h), &mut ws.x_rows.slice_mut(i * h..(i + 1) * h)).map_err(dev)?;
             }
         } else {
-            stream.memcpy_dtod(&ws.x.slice(0..rows * h), &mut ws.x_rows.slice_mut(0..rows * h)).map_err(dtod)?;
+            stream.memcpy_dtod(&ws.x.slice(0..rows * h), &mut ws.x_rows.slice_mut(0..rows * h)).map_err(dev)?;
         }
         cuda::rms_norm(gpu, &mut ws.x_rows.slice_mut(0..rows * h), None, &self.norm.slice(..), eps, &mut ws.normed_rows.slice_mut(0..rows * h))?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
@@ -508,7 +497,7 @@ impl CudaModel {
             for (i, x) in samples.iter().enumerate() {
                 stream
                     .memcpy_dtod(&ws.logits.slice(x.row * v..(x.row + 1) * v), &mut ws.sample_logits.slice_mut(i * v..(i + 1) * v))
-                    .map_err(|e| Error::Device(e.to_string()))?;
+                    .map_err(dev)?;
             }
         }
         let mut params = Vec::with_capacity(s);
@@ -534,22 +523,29 @@ impl CudaModel {
             }
             offsets.push(pen_tokens.len() as i32);
         }
-        // Never upload empty buffers.
+        // Never pass empty buffers (the offsets say where each row's history ends).
         pen_tokens.push(0);
         pen_counts.push(0);
-        let params_d = gpu.upload(&params)?;
-        let offsets_d = gpu.upload(&offsets)?;
-        let tokens_d = gpu.upload(&pen_tokens)?;
-        let counts_d = gpu.upload(&pen_counts)?;
+        let p = pen_tokens.len();
+        if p > ws.pen_tokens.len() {
+            // The one growing buffer pair: the longest penalty history seen so far.
+            let cap = p.next_power_of_two();
+            ws.pen_tokens = gpu.alloc_zeros(cap)?;
+            ws.pen_counts = gpu.alloc_zeros(cap)?;
+        }
+        gpu.upload_into(&params, &mut ws.params.slice_mut(0..s))?;
+        gpu.upload_into(&offsets, &mut ws.pen_offsets.slice_mut(0..s + 1))?;
+        gpu.upload_into(&pen_tokens, &mut ws.pen_tokens.slice_mut(0..p))?;
+        gpu.upload_into(&pen_counts, &mut ws.pen_counts.slice_mut(0..p))?;
         let logits = if in_place { &mut ws.logits } else { &mut ws.sample_logits };
         cuda::sample(
             gpu,
             &mut logits.slice_mut(0..s * v),
             v,
-            &params_d.slice(..),
-            &offsets_d.slice(..),
-            &tokens_d.slice(..),
-            &counts_d.slice(..),
+            &ws.params.slice(0..s),
+            &ws.pen_offsets.slice(0..s + 1),
+            &ws.pen_tokens.slice(0..p),
+            &ws.pen_counts.slice(0..p),
             &mut ws.tokens.slice_mut(0..s),
             &mut ws.logprobs.slice_mut(0..s),
         )?;
@@ -662,6 +658,20 @@ struct Weights {
     lm_head: Option<CudaSlice<bf16>>,
 }
 
+/// The attention kernels' view of the model over a pool of `num_blocks` blocks (q is the first
+/// `num_heads * head_dim` columns of each QKV row).
+fn attn_shape(cfg: &ModelConfig, layout: PagedLayout, num_blocks: usize) -> AttnShape {
+    AttnShape {
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size: layout.block_size,
+        num_blocks,
+        q_row_stride: cfg.qkv_width(),
+        scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+    }
+}
+
 /// A step's metadata, built on the host.
 #[derive(Clone, Debug)]
 struct HostBatch {
@@ -752,7 +762,7 @@ impl Workspace {
         let c = sizing.max_num_seqs;
         let max_blocks = sizing.max_model_len.div_ceil(layout.block_size);
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let decode_len = cuda::decode_workspace_len(c, &Self::shape_for(cfg, layout), sizing.max_model_len);
+        let decode_len = cuda::decode_workspace_len(c, &attn_shape(cfg, layout, 0), sizing.max_model_len);
         Ok(Workspace {
             max_tokens: t,
             max_rows: r,
@@ -773,19 +783,11 @@ impl Workspace {
             sample_logits: gpu.alloc_zeros(r * v)?,
             tokens: gpu.alloc_zeros(r)?,
             logprobs: gpu.alloc_zeros(r)?,
+            params: gpu.upload(&vec![SampleParams::default(); r])?,
+            pen_offsets: gpu.alloc_zeros(r + 1)?,
+            pen_tokens: gpu.alloc_zeros(1024)?,
+            pen_counts: gpu.alloc_zeros(1024)?,
         })
-    }
-
-    fn shape_for(cfg: &ModelConfig, layout: PagedLayout) -> AttnShape {
-        AttnShape {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            block_size: layout.block_size,
-            num_blocks: 0,
-            q_row_stride: cfg.qkv_width(),
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-        }
     }
 
     /// Checks the chunks and lays out their metadata as the kernels read it.

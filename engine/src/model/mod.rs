@@ -40,15 +40,47 @@ pub struct BatchChunk<'a> {
     pub want_logits: bool,
 }
 
-struct Layer {
-    input_norm: Vec<f32>,
+/// One decoder layer's weights as f32, in the stacked form both backends run.
+pub(crate) struct Layer {
+    pub(crate) input_norm: Vec<f32>,
     /// Q, K and V projections stacked: `[(heads + 2*kv_heads) * head_dim, hidden]`.
-    qkv: Vec<f32>,
-    o: Vec<f32>,
-    post_norm: Vec<f32>,
+    pub(crate) qkv: Vec<f32>,
+    pub(crate) o: Vec<f32>,
+    pub(crate) post_norm: Vec<f32>,
     /// Gate and up projections stacked: `[2 * intermediate, hidden]`.
-    gate_up: Vec<f32>,
-    down: Vec<f32>,
+    pub(crate) gate_up: Vec<f32>,
+    pub(crate) down: Vec<f32>,
+}
+
+impl Layer {
+    /// Reads layer `l` of `store`, checking every tensor's shape against `cfg`.
+    pub(crate) fn load(store: &WeightStore, cfg: &ModelConfig, l: usize) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (q_rows, kv_rows) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let p = format!("model.layers.{l}");
+        let mut qkv = store.f32(&format!("{p}.self_attn.q_proj.weight"), &[q_rows, h])?;
+        qkv.extend(store.f32(&format!("{p}.self_attn.k_proj.weight"), &[kv_rows, h])?);
+        qkv.extend(store.f32(&format!("{p}.self_attn.v_proj.weight"), &[kv_rows, h])?);
+        let mut gate_up = store.f32(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?;
+        gate_up.extend(store.f32(&format!("{p}.mlp.up_proj.weight"), &[i, h])?);
+        Ok(Layer {
+            input_norm: store.f32(&format!("{p}.input_layernorm.weight"), &[h])?,
+            qkv,
+            o: store.f32(&format!("{p}.self_attn.o_proj.weight"), &[h, q_rows])?,
+            post_norm: store.f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+            gate_up,
+            down: store.f32(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+        })
+    }
+}
+
+/// The LM head, or `None` when the embedding is tied (and no separate head is stored).
+pub(crate) fn load_lm_head(store: &WeightStore, cfg: &ModelConfig) -> Result<Option<Vec<f32>>> {
+    if cfg.tie_word_embeddings && !store.contains("lm_head.weight") {
+        Ok(None)
+    } else {
+        Ok(Some(store.f32("lm_head.weight", &[cfg.vocab_size, cfg.hidden_size])?))
+    }
 }
 
 /// A loaded model ready to run forward passes.
@@ -66,30 +98,9 @@ impl Model {
     /// Loads the weights of `dir` for the geometry `cfg`.
     pub fn load(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
         let store = WeightStore::open(dir)?;
-        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (q_rows, kv_rows) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
-            let mut qkv = store.f32(&format!("{p}.self_attn.q_proj.weight"), &[q_rows, h])?;
-            qkv.extend(store.f32(&format!("{p}.self_attn.k_proj.weight"), &[kv_rows, h])?);
-            qkv.extend(store.f32(&format!("{p}.self_attn.v_proj.weight"), &[kv_rows, h])?);
-            let mut gate_up = store.f32(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?;
-            gate_up.extend(store.f32(&format!("{p}.mlp.up_proj.weight"), &[i, h])?);
-            layers.push(Layer {
-                input_norm: store.f32(&format!("{p}.input_layernorm.weight"), &[h])?,
-                qkv,
-                o: store.f32(&format!("{p}.self_attn.o_proj.weight"), &[h, q_rows])?,
-                post_norm: store.f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_up,
-                down: store.f32(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
-            });
-        }
-        let lm_head = if cfg.tie_word_embeddings && !store.contains("lm_head.weight") {
-            None
-        } else {
-            Some(store.f32("lm_head.weight", &[v, h])?)
-        };
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let layers = (0..cfg.num_layers).map(|l| Layer::load(&store, cfg, l)).collect::<Result<Vec<_>>>()?;
+        let lm_head = load_lm_head(&store, cfg)?;
         Ok(Model {
             embed: store.f32("model.embed_tokens.weight", &[v, h])?,
             norm: store.f32("model.norm.weight", &[h])?,
