@@ -88,6 +88,10 @@ pub(crate) struct EngineBenchArgs {
     /// Skip the HF reference.
     #[arg(long)]
     no_hf: bool,
+    /// Only the ceilings and the per-batch breakdown (GEMMs and attention timed alone, attention
+    /// at every split length): no engine, no HF.
+    #[arg(long)]
+    breakdown_only: bool,
 }
 
 /// The two ceilings.
@@ -156,6 +160,9 @@ struct Breakdown {
     gemm_bytes: f64,
     attn_ms: f64,
     attn_bytes: f64,
+    /// The launcher's split length, and attention at each split length (keys, ms per step).
+    split: usize,
+    attn_by_split: Vec<(usize, f64)>,
 }
 
 fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) -> anyhow::Result<Breakdown> {
@@ -193,7 +200,9 @@ fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) 
     let start_pos = gpu.upload(&vec![context as i32 - 1; batch])?;
     let tables = gpu.upload(&(0..num_blocks as i32).collect::<Vec<_>>())?;
     let shape = cuda::AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, block_size, num_blocks, q_row_stride: qkv_w, scale: 1.0 / (hd as f32).sqrt() };
-    let mut ws = gpu.alloc_zeros::<f32>(cuda::decode_workspace_len(batch, &shape, context).max(1))?;
+    let splits: Vec<usize> = (0..5).map(|i| cuda::DECODE_MIN_SPLIT << i).collect();
+    let ws_len = splits.iter().map(|s| batch * nh * context.div_ceil(*s) * (hd + 2)).max().unwrap_or(0);
+    let mut ws = gpu.alloc_zeros::<f32>(ws_len.max(cuda::decode_workspace_len(batch, &shape, context)).max(1))?;
     let (cu_q, start_pos, tables) = (cu_q.slice(..), start_pos.slice(..), tables.slice(..));
     let meta = cuda::AttnMeta {
         cu_q: &cu_q,
@@ -208,8 +217,17 @@ fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) 
         cuda::decode_attention(gpu, &q.slice(..), &meta, &shape, &cache.slice(..), &mut ws.slice_mut(..), &mut out.slice_mut(..))?;
         Ok(())
     })? * cfg.num_layers as f64;
+    let mut attn_by_split = Vec::new();
+    for &split in &splits {
+        let ms = time_events(gpu, 2, 10, || {
+            cuda::decode_attention_split(gpu, &q.slice(..), &meta, &shape, &cache.slice(..), split, &mut ws.slice_mut(..), &mut out.slice_mut(..))?;
+            Ok(())
+        })?;
+        attn_by_split.push((split, ms * cfg.num_layers as f64));
+    }
     let attn_bytes = (batch * context * 2 * nkv * hd * 2 * cfg.num_layers) as f64;
-    Ok(Breakdown { gemm_ms, gemm_bytes, attn_ms, attn_bytes })
+    let split = cuda::decode_split_keys(batch, nkv, context);
+    Ok(Breakdown { gemm_ms, gemm_bytes, attn_ms, attn_bytes, split, attn_by_split })
 }
 
 /// Parameters in the weight matrices, split into the per-token GEMM part and the embedding.
@@ -301,6 +319,12 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
             eprintln!("decode batch {batch} parts: GEMMs {:.2} ms, attention {:.2} ms", b.gemm_ms, b.attn_ms);
             breakdowns.push((batch, b));
         }
+    }
+
+    if args.breakdown_only {
+        print_header(&device_name, &ceil);
+        print_breakdown(&ceil, &breakdowns, &[]);
+        return Ok(());
     }
 
     let max_batch = *args.batches.iter().max().unwrap_or(&1);
@@ -395,12 +419,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     drop(engine);
     let hf = if args.no_hf { None } else { Some(run_hf(&args)) };
 
-    println!(
-        "tandem bench engine — {device_name}, Llama-3.1-8B geometry, random bf16 weights, block 16, CUDA graphs {}",
-        if std::env::var("TANDEM_CUDA_GRAPHS").is_ok_and(|v| v == "0") { "off" } else { "on" }
-    );
-    println!("ceilings measured in this run: device copy {:.2} TB/s (read + write), cuBLAS bf16 GEMM 8192^3 {:.0} TFLOP/s", ceil.copy_bytes_s / 1e12, ceil.gemm_flops / 1e12);
-    println!("{:<44} {:>14} {:>14} {:>9}", "metric", "tandem", "ceiling", "% / ratio");
+    print_header(&device_name, &ceil);
     for (batch, step, floor) in &decode {
         println!(
             "{:<44} {:>11.2} ms {:>11.2} ms {:>8.0}%",
@@ -410,18 +429,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
             floor / step * 100.0
         );
     }
-    // A part of the step timed alone: its time next to its bytes at the copy bandwidth.
-    let part = |name: String, ms: f64, bytes: f64| {
-        let floor_ms = bytes / ceil.copy_bytes_s * 1e3;
-        let tb_s = bytes / (ms * 1e-3) / 1e12;
-        println!("{:<44} {:>11.2} ms {:>11.2} ms {:>8.0}%", format!("{name} ({tb_s:.2} TB/s)"), ms, floor_ms, floor_ms / ms * 100.0);
-    };
-    for (batch, b) in &breakdowns {
-        let step = decode.iter().find(|d| d.0 == *batch).map_or(f64::NAN, |d| d.1 * 1e3);
-        part(format!("  batch {batch}: GEMMs alone"), b.gemm_ms, b.gemm_bytes);
-        part(format!("  batch {batch}: attention alone"), b.attn_ms, b.attn_bytes);
-        println!("{:<44} {:>11.2} ms", format!("  batch {batch}: the rest of the step"), step - b.gemm_ms - b.attn_ms);
-    }
+    print_breakdown(&ceil, &breakdowns, &decode);
     for (len, tok_s, util) in &prefill {
         println!("{:<44} {:>10.0} t/s {:>10.0} t/s {:>8.0}%", format!("prefill {len} tokens"), tok_s, tok_s / util, util * 100.0);
     }
@@ -451,6 +459,35 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         None => {}
     }
     Ok(())
+}
+
+fn print_header(device_name: &str, ceil: &Ceilings) {
+    println!(
+        "tandem bench engine — {device_name}, Llama-3.1-8B geometry, random bf16 weights, block 16, CUDA graphs {}",
+        if std::env::var("TANDEM_CUDA_GRAPHS").is_ok_and(|v| v == "0") { "off" } else { "on" }
+    );
+    println!("ceilings measured in this run: device copy {:.2} TB/s (read + write), cuBLAS bf16 GEMM 8192^3 {:.0} TFLOP/s", ceil.copy_bytes_s / 1e12, ceil.gemm_flops / 1e12);
+    println!("{:<44} {:>14} {:>14} {:>9}", "metric", "tandem", "ceiling", "% / ratio");
+}
+
+/// Each part of a decode step timed alone, next to its bytes at the copy bandwidth; with the
+/// whole step's time (`decode`: batch, seconds, floor) also what the parts leave over.
+fn print_breakdown(ceil: &Ceilings, breakdowns: &[(usize, Breakdown)], decode: &[(usize, f64, f64)]) {
+    let part = |name: String, ms: f64, bytes: f64| {
+        let floor_ms = bytes / ceil.copy_bytes_s * 1e3;
+        let tb_s = bytes / (ms * 1e-3) / 1e12;
+        println!("{:<44} {:>11.2} ms {:>11.2} ms {:>8.0}%", format!("{name} ({tb_s:.2} TB/s)"), ms, floor_ms, floor_ms / ms * 100.0);
+    };
+    for (batch, b) in breakdowns {
+        part(format!("  batch {batch}: GEMMs alone"), b.gemm_ms, b.gemm_bytes);
+        part(format!("  batch {batch}: attention alone, split {}", b.split), b.attn_ms, b.attn_bytes);
+        for &(split, ms) in &b.attn_by_split {
+            part(format!("    attention, split {split}"), ms, b.attn_bytes);
+        }
+        if let Some(d) = decode.iter().find(|d| d.0 == *batch) {
+            println!("{:<44} {:>11.2} ms", format!("  batch {batch}: the rest of the step"), d.1 * 1e3 - b.gemm_ms - b.attn_ms);
+        }
+    }
 }
 
 #[cfg(test)]

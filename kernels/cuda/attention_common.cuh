@@ -18,6 +18,7 @@ struct AttnParams {
     int q_row_stride; // elements between consecutive q rows
     int q_rows;       // rows of q and out: token indices >= q_rows are ignored
     int num_splits;   // decode only
+    int split_keys;   // decode only: keys per split, a multiple of 64
     int head_dim;
     float scale;
 };

@@ -1,32 +1,67 @@
-// Decode attention over the paged KV cache (flash-decoding): every chunk has exactly one query
-// token at position start_pos[c], attending to positions 0..=start_pos[c].
+// Decode attention over the paged KV cache (flash-decoding on bf16 tensor cores): every chunk has
+// exactly one query token at position start_pos[c], attending to positions 0..=start_pos[c].
 //
-// Grid (num_chunks, kv_heads, num_splits), DEC_THREADS threads. A CTA takes one chunk, one KV head
-// and one split of DEC_SPLIT keys, and serves all `group` query heads of that KV head, so each K/V
-// row is read from memory once per step, not once per query head. It streams its keys in tiles of
-// DEC_TILE rows: K and V tiles go global -> shared with 16-byte cp.async copies (consecutive threads
-// copy consecutive 16 bytes of a row; a block's rows for one head are contiguous, so the copies
-// coalesce), then
-//   scores: thread t takes key t % 64 and half the heads; each K chunk is read from shared memory
-//           once and used for all its heads (q is in shared memory as f32, pre-scaled);
-//   softmax: one warp per head updates the running max m and sum l (online softmax, f32);
-//   PV:      thread -> (head, 8 dims, a share of the keys); partial sums stay in registers across
-//            tiles and are combined through shared memory at the end of the split.
+// Grid (num_chunks, kv_heads, num_splits), DEC_THREADS = 4 warps. A CTA takes one chunk, one KV
+// head and one split of P.split_keys keys (the launcher picks the split so the grid fills the
+// GPU), and serves all `group` query heads of that KV head, so each K/V row is read from memory
+// once per step, not once per query head.
+//
+// The group's query heads are the rows of one mma M tile (m16n8k16, rows >= group are zero), so
+// a 16-key step is S = Q·Kᵀ (head_dim/16 mma pairs) and O += P·V (head_dim/8 mmas) with P taken
+// straight from the S accumulators, as in the prefill kernel. The tensor cores leave the SM's
+// issue slots to the memory pipeline; the scalar version of this kernel was issue-bound at about
+// 2.1 TB/s on an H100.
+//
+// Each warp works alone on keys k_begin + 16w, + 64, + 128, ... of the split, with its own running
+// max/sum/accumulators (online softmax, base-2 with the scale folded in) and its own two-stage
+// shared-memory pipeline: while it computes on one 16-key group, the next group's K and V rows
+// are in flight (16-byte cp.async; lane i resolves key i's paged address once and the warp shares
+// it by shuffles). No barrier is needed until the end, where the 4 warps' states are combined
+// through shared memory. With one split the CTA writes the normalised output; otherwise it writes
+// (m, l, acc[head_dim]) per head, m in natural-log units, and decode_reduce combines the splits.
 // The actual context comes from the device metadata, so a CUDA graph captured for a maximum
 // context replays for any shorter one: splits past the context write an empty partial (m = -inf).
-// With one split the CTA writes the normalised output directly; otherwise it writes
-// (m, l, acc[head_dim]) per head to the workspace and decode_reduce combines the splits.
 
 #define DEC_THREADS 128
-#define DEC_TILE 64
-#define DEC_SPLIT 256  // keys per split: a multiple of DEC_TILE; = DECODE_SPLIT_KEYS in attention.rs
-#define MAX_GROUP 16
+#define DEC_WARPS 4
+#define DEC_KEYS 16   // keys per warp step (one k16 step of P·V)
+#define DEC_STAGES 2
 
 template <int HD>
 struct DecodeSmem {
-    static constexpr int ROW = HD + 8;  // padded row: 16-byte accesses of 8 consecutive rows hit distinct banks
-    static constexpr int KV_BYTES = DEC_TILE * ROW * 2;
+    static constexpr int ROW = HD + 8;                       // padded row, as in the prefill kernel
+    static constexpr int MAT = DEC_KEYS * ROW;               // bf16 of one K or V group
+    static constexpr int WARP = DEC_STAGES * 2 * MAT;        // bf16 per warp
+    static constexpr int BYTES = DEC_WARPS * WARP * 2;       // = decode_smem() in attention.rs
+    static constexpr int COMBINE = DEC_WARPS * 16 * (HD + 2) * 4;
+    static_assert(COMBINE <= BYTES, "the combine step reuses the pipeline buffers");
 };
+
+// Starts the copies of keys kb..kb+15 (K and V rows of KV head kvh) into K/V; returns the mask of
+// the keys that exist (bit i: key kb + i is < k_end and its block is present). Missing rows are
+// zero-filled. Warp-collective.
+template <int HD>
+__device__ __forceinline__ u32 decode_load_group(const AttnParams& P, const int* __restrict__ table,
+                                                 const bf16* __restrict__ cache, int kb, int k_end, int kvh,
+                                                 bf16* K, bf16* V, int lane) {
+    constexpr int ROW = HD + 8, CHUNKS = HD / 8;
+    const int p = kb + (lane & 15);
+    const long long off = p < k_end ? kv_row_offset(P, table, p, kvh, HD) : -1;
+    const u32 valid = __ballot_sync(0xffffffffu, off >= 0) & 0xffffu;
+    const int lo = (int)(unsigned long long)off, hi = (int)((unsigned long long)off >> 32);
+    const long long v_shift = (long long)P.kv_heads * P.block_size * HD;
+#pragma unroll
+    for (int i = 0; i < DEC_KEYS * CHUNKS / 32; i++) {
+        const int idx = i * 32 + lane;
+        const int r = idx / CHUNKS, ch = idx % CHUNKS;
+        const long long o = (long long)(((unsigned long long)(u32)__shfl_sync(0xffffffffu, hi, r) << 32) |
+                                        (u32)__shfl_sync(0xffffffffu, lo, r));
+        const bool ok = o >= 0;
+        cp_async16(K + r * ROW + ch * 8, cache + (ok ? o : 0) + ch * 8, ok);
+        cp_async16(V + r * ROW + ch * 8, cache + (ok ? o + v_shift : 0) + ch * 8, ok);
+    }
+    return valid;
+}
 
 template <int HD>
 __device__ void decode_attention(const AttnParams& P, const bf16* __restrict__ q, const int* __restrict__ cu_q,
@@ -34,29 +69,19 @@ __device__ void decode_attention(const AttnParams& P, const bf16* __restrict__ q
                                  const bf16* __restrict__ cache, float* __restrict__ workspace,
                                  bf16* __restrict__ out) {
     constexpr int ROW = DecodeSmem<HD>::ROW;
-    constexpr int CHUNKS = HD / 8;          // 16-byte chunks per row
-    constexpr int IPT = (MAX_GROUP * CHUNKS + DEC_THREADS - 1) / DEC_THREADS;  // PV items per thread
+    constexpr int KT = HD / 16;  // k16 steps over the head dim
+    constexpr int NT = HD / 8;   // n8 tiles of the output
     const int c = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int G = P.group;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
     extern __shared__ __align__(16) unsigned char smem[];
-    bf16* Ks = reinterpret_cast<bf16*>(smem);
-    bf16* Vs = Ks + DEC_TILE * ROW;
-    float* qs = reinterpret_cast<float*>(smem + 2 * DecodeSmem<HD>::KV_BYTES);  // [G][HD]
-    float* ps = qs + G * HD;                                                     // [G][DEC_TILE]
-    float* m_s = ps + G * DEC_TILE;                                              // [G]
-    float* l_s = m_s + G;                                                        // [G]
-    float* alpha_s = l_s + G;                                                    // [G]
-    long long* koff = reinterpret_cast<long long*>(alpha_s + G + 1) ;            // [DEC_TILE]
-    koff = reinterpret_cast<long long*>((reinterpret_cast<size_t>(koff) + 7) & ~size_t(7));
 
     const int q0 = cu_q[c];
     const int tok_ok = (cu_q[c + 1] - q0 == 1) && q0 >= 0 && q0 < P.q_rows;
     if (!tok_ok) return;  // not a decode chunk: nothing to write (the reducer skips it too)
     const int ctx = start_pos[c] + 1;  // keys 0..ctx-1
-    const int k_begin = split * DEC_SPLIT;
-    const int k_end = min(ctx, k_begin + DEC_SPLIT);
+    const int k_begin = split * P.split_keys;
+    const int k_end = min(ctx, k_begin + P.split_keys);
     const size_t part_stride = (size_t)G * (HD + 2);
     float* part = workspace + (((size_t)c * P.kv_heads + kvh) * P.num_splits + split) * part_stride;
 
@@ -67,156 +92,167 @@ __device__ void decode_attention(const AttnParams& P, const bf16* __restrict__ q
         return;
     }
 
-    // q for the group's heads, scaled, as f32.
-    const bf16* qrow = q + (size_t)q0 * P.q_row_stride + (size_t)kvh * G * HD;
-    for (int i = tid; i < G * HD; i += DEC_THREADS) qs[i] = bf2f(qrow[i]) * P.scale;
-    for (int g = tid; g < G; g += DEC_THREADS) {
-        m_s[g] = T_NEG_INF;
-        l_s[g] = 0.0f;
+    // This thread's rows of the M tile (query heads of the group) and its column pair.
+    const int r0 = lane >> 2, r1 = r0 + 8, kc = (lane & 3) * 2;
+    // Q's A fragments straight from global memory (rows >= G are zero).
+    const bf16* qbase = q + (size_t)q0 * P.q_row_stride + (size_t)kvh * G * HD;
+    u32 qf[KT][4];
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+        const int col = kk * 16 + kc;
+        qf[kk][0] = r0 < G ? *reinterpret_cast<const u32*>(qbase + r0 * HD + col) : 0u;
+        qf[kk][1] = r1 < G ? *reinterpret_cast<const u32*>(qbase + r1 * HD + col) : 0u;
+        qf[kk][2] = r0 < G ? *reinterpret_cast<const u32*>(qbase + r0 * HD + col + 8) : 0u;
+        qf[kk][3] = r1 < G ? *reinterpret_cast<const u32*>(qbase + r1 * HD + col + 8) : 0u;
     }
 
-    // PV work assignment (see the file comment).
-    const int items = G * CHUNKS;
-    const int parts = items >= DEC_THREADS ? 1 : DEC_THREADS / items;
-    const int my_part = parts > 1 ? tid / items : 0;
-    float acc[IPT][8];
+    const float scale_log2 = P.scale * 1.4426950408889634f;
+    float o[NT][4];
 #pragma unroll
-    for (int j = 0; j < IPT; j++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) acc[j][e] = 0.0f;
+    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {T_NEG_INF, T_NEG_INF};  // running max of scaled scores (base 2), rows r0 and r1
+    float l[2] = {0.0f, 0.0f};            // this thread's share of the running sums
 
     const int* table = block_tables + (size_t)c * P.max_blocks;
-    const long long v_shift = (long long)P.kv_heads * P.block_size * HD;
+    bf16* wbuf = reinterpret_cast<bf16*>(smem) + warp * DecodeSmem<HD>::WARP;
+    const int first = k_begin + warp * DEC_KEYS;
+    constexpr int STRIDE = DEC_WARPS * DEC_KEYS;
+    const int groups = first < k_end ? (k_end - first + STRIDE - 1) / STRIDE : 0;
 
-    for (int t0 = k_begin; t0 < k_end; t0 += DEC_TILE) {
-        __syncthreads();  // the previous tile's Ks/Vs/ps are no longer read
-        if (tid < DEC_TILE) {
-            const int p = t0 + tid;
-            koff[tid] = p < k_end ? kv_row_offset(P, table, p, kvh, HD) : -1;
-        }
-        __syncthreads();
-        for (int i = tid; i < DEC_TILE * CHUNKS; i += DEC_THREADS) {
-            const int r = i / CHUNKS, ch = i % CHUNKS;
-            const long long off = koff[r];
-            const bf16* src = cache + (off >= 0 ? off : 0) + ch * 8;
-            cp_async16(Ks + r * ROW + ch * 8, src, off >= 0);
-            cp_async16(Vs + r * ROW + ch * 8, src + (off >= 0 ? v_shift : 0), off >= 0);
+    u32 mask_next = 0;
+    if (groups > 0)
+        mask_next = decode_load_group<HD>(P, table, cache, first, k_end, kvh, wbuf, wbuf + DecodeSmem<HD>::MAT, lane);
+    cp_async_commit();
+    for (int it = 0; it < groups; it++) {
+        const u32 mask = mask_next;
+        bf16* Ks = wbuf + (it & 1) * 2 * DecodeSmem<HD>::MAT;
+        const bf16* Vs = Ks + DecodeSmem<HD>::MAT;
+        if (it + 1 < groups) {
+            bf16* Kn = wbuf + ((it + 1) & 1) * 2 * DecodeSmem<HD>::MAT;
+            mask_next = decode_load_group<HD>(P, table, cache, first + (it + 1) * STRIDE, k_end, kvh, Kn,
+                                              Kn + DecodeSmem<HD>::MAT, lane);
         }
         cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
+        cp_async_wait<1>();  // this group has landed; the next one may still be in flight
+        __syncwarp();
 
-        // Scores: thread -> key tid % 64, heads tid / 64, tid / 64 + 2, ...
-        {
-            const int key = tid & (DEC_TILE - 1);
-            const int g0 = tid / DEC_TILE;
-            constexpr int GPT = MAX_GROUP / (DEC_THREADS / DEC_TILE);  // heads per thread, at most
-            float s[GPT];
+        // S = Q·Kᵀ: rows = query heads, columns = the 16 keys (two n8 tiles).
+        float s[2][4];
 #pragma unroll
-            for (int j = 0; j < GPT; j++) s[j] = 0.0f;
-            const bf16* krow = Ks + key * ROW;
-#pragma unroll 4
-            for (int ch = 0; ch < CHUNKS; ch++) {
-                float kf[8];
-                unpack8(*reinterpret_cast<const uint4*>(krow + ch * 8), kf);
+        for (int n = 0; n < 2; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-                for (int j = 0; j < GPT; j++) {
-                    const int g = g0 + j * (DEC_THREADS / DEC_TILE);
-                    if (g < G) {
-                        const float4 a = *reinterpret_cast<const float4*>(qs + g * HD + ch * 8);
-                        const float4 b = *reinterpret_cast<const float4*>(qs + g * HD + ch * 8 + 4);
-                        s[j] += kf[0] * a.x + kf[1] * a.y + kf[2] * a.z + kf[3] * a.w + kf[4] * b.x +
-                                kf[5] * b.y + kf[6] * b.z + kf[7] * b.w;
-                    }
-                }
-            }
-            const bool valid = koff[key] >= 0;
+        for (int kk = 0; kk < KT; kk++) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, Ks + ((lane & 7) + (lane >> 4) * 8) * ROW + kk * 16 + ((lane >> 3) & 1) * 8);
+            mma_bf16(s[0], qf[kk], b0, b1);
+            mma_bf16(s[1], qf[kk], b2, b3);
+        }
+
+        // Mask, then the online softmax update of this thread's two rows.
+        float tile_max[2] = {T_NEG_INF, T_NEG_INF};
 #pragma unroll
-            for (int j = 0; j < GPT; j++) {
-                const int g = g0 + j * (DEC_THREADS / DEC_TILE);
-                if (g < G) ps[g * DEC_TILE + key] = valid ? s[j] : T_NEG_INF;
+        for (int n = 0; n < 2; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = n * 8 + kc + (e & 1);
+                s[n][e] = (mask >> key) & 1u ? s[n][e] * scale_log2 : T_NEG_INF;
+                tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
             }
         }
-        __syncthreads();
-
-        // Online softmax: warp w updates heads w, w + 4, ...
-        for (int g = warp; g < G; g += DEC_THREADS / 32) {
-            const float a = ps[g * DEC_TILE + lane], b = ps[g * DEC_TILE + lane + 32];
-            const float tile_max = warp_max(fmaxf(a, b));
-            const float m_old = m_s[g];
-            const float m_new = fmaxf(m_old, tile_max);
-            // All keys so far masked: keep everything at zero without computing -inf - -inf.
-            const float m_use = m_new == T_NEG_INF ? 0.0f : m_new;
-            const float pa = expf(a - m_use), pb = expf(b - m_use);
-            ps[g * DEC_TILE + lane] = pa;
-            ps[g * DEC_TILE + lane + 32] = pb;
-            const float sum = warp_sum(pa + pb);
-            if (lane == 0) {
-                const float alpha = expf(m_old - m_use);  // 0 when m_old = -inf
-                alpha_s[g] = alpha;
-                l_s[g] = l_s[g] * alpha + sum;
-                m_s[g] = m_new;
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+            const float m_new = fmaxf(m[h], tile_max[h]);
+            m_use[h] = m_new == T_NEG_INF ? 0.0f : m_new;  // all keys so far masked: stay at zero
+            alpha[h] = exp2f(m[h] - m_use[h]);             // 0 when m = -inf
+            m[h] = m_new;
+            l[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                s[n][e] = exp2f(s[n][e] - m_use[e >> 1]);
+                l[e >> 1] += s[n][e];
             }
         }
-        __syncthreads();
+        // O = O·alpha + P·V (the C layout of the two S tiles is the A layout of one k16 step).
+        u32 a[4];
+        a[0] = pack_bf16x2(s[0][0], s[0][1]);
+        a[1] = pack_bf16x2(s[0][2], s[0][3]);
+        a[2] = pack_bf16x2(s[1][0], s[1][1]);
+        a[3] = pack_bf16x2(s[1][2], s[1][3]);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+            o[n + 1][0] *= alpha[0];
+            o[n + 1][1] *= alpha[0];
+            o[n + 1][2] *= alpha[1];
+            o[n + 1][3] *= alpha[1];
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, Vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * ROW + n * 8 + (lane >> 4) * 8);
+            mma_bf16(o[n], a, b0, b1);
+            mma_bf16(o[n + 1], a, b2, b3);
+        }
+        __syncwarp();  // the next iteration's copies overwrite this stage
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
 
-        // PV.
+    // Combine the warps: [warp][row] (m, l), then [warp][row][HD] accumulators, over the buffers.
+    __syncthreads();
+    float* cm = reinterpret_cast<float*>(smem);
+    float* co = cm + DEC_WARPS * 16 * 2;
 #pragma unroll
-        for (int j = 0; j < IPT; j++) {
-            const int item = parts > 1 ? tid % items : tid + j * DEC_THREADS;
-            if (item >= items || (parts > 1 && (j > 0 || my_part >= parts))) continue;
-            const int g = item / CHUNKS, ch = item % CHUNKS;
-            const float alpha = alpha_s[g];
+    for (int h = 0; h < 2; h++) {
+        const int row = h ? r1 : r0;
+        if (row >= G) continue;
+        if ((lane & 3) == 0) {
+            cm[(warp * 16 + row) * 2] = m[h];
+            cm[(warp * 16 + row) * 2 + 1] = l[h];
+        }
+        float* dst = co + (warp * 16 + row) * HD + kc;
 #pragma unroll
-            for (int e = 0; e < 8; e++) acc[j][e] *= alpha;
-            const float* prow = ps + g * DEC_TILE;
-            for (int key = my_part; key < DEC_TILE; key += parts) {
-                const float p = prow[key];
-                float vf[8];
-                unpack8(*reinterpret_cast<const uint4*>(Vs + key * ROW + ch * 8), vf);
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[j][e] += p * vf[e];
-            }
+        for (int n = 0; n < NT; n++) {
+            dst[n * 8] = o[n][2 * h];
+            dst[n * 8 + 1] = o[n][2 * h + 1];
         }
     }
     __syncthreads();
-
-    // Combine the key partitions (parts > 1) through shared memory (the K tile is free now).
-    float* red = reinterpret_cast<float*>(smem);  // [parts][items][8]
-    if (parts > 1) {
-        if (my_part < parts) {
-            const int item = tid % items;
+    for (int i = tid; i < G * HD; i += DEC_THREADS) {
+        const int g = i / HD, d = i % HD;
+        float M = T_NEG_INF;
 #pragma unroll
-            for (int e = 0; e < 8; e++) red[((size_t)my_part * items + item) * 8 + e] = acc[0][e];
+        for (int w = 0; w < DEC_WARPS; w++) M = fmaxf(M, cm[(w * 16 + g) * 2]);
+        float L = 0.0f, O = 0.0f;
+        if (M != T_NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < DEC_WARPS; w++) {
+                const float mw = cm[(w * 16 + g) * 2];
+                if (mw == T_NEG_INF) continue;
+                const float wt = exp2f(mw - M);
+                L += cm[(w * 16 + g) * 2 + 1] * wt;
+                O += co[(w * 16 + g) * HD + d] * wt;
+            }
         }
-        __syncthreads();
-        if (tid < items) {
-            for (int pp = 1; pp < parts; pp++)
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[0][e] += red[((size_t)pp * items + tid) * 8 + e];
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < IPT; j++) {
-        const int item = tid + j * DEC_THREADS;
-        if (item >= items || (parts > 1 && j > 0)) continue;
-        const int g = item / CHUNKS, ch = item % CHUNKS;
         if (P.num_splits == 1) {
-            const float l = l_s[g];
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            float o[8];
-#pragma unroll
-            for (int e = 0; e < 8; e++) o[e] = acc[j][e] * inv;
-            bf16* orow = out + (size_t)q0 * P.num_heads * HD + ((size_t)kvh * G + g) * HD;
-            *reinterpret_cast<uint4*>(orow + ch * 8) = pack8(o);
+            out[(size_t)q0 * P.num_heads * HD + ((size_t)kvh * G + g) * HD + d] = f2bf(L > 0.0f ? O / L : 0.0f);
         } else {
             float* dst = part + g * (HD + 2);
-            if (ch == 0) {
-                dst[0] = m_s[g];
-                dst[1] = l_s[g];
+            if (d == 0) {
+                dst[0] = M == T_NEG_INF ? T_NEG_INF : M * 0.6931471805599453f;  // base 2 -> natural log
+                dst[1] = L;
             }
-#pragma unroll
-            for (int e = 0; e < 8; e++) dst[2 + ch * 8 + e] = acc[j][e];
+            dst[2 + d] = O;
         }
     }
 }

@@ -542,6 +542,8 @@ struct AttnCase {
     context_slack: usize,
     /// Replace one in-range block-table entry of the last chunk with -1 (its keys are masked).
     hole: bool,
+    /// Decode only: keys per split (`None`: the launcher's choice).
+    split_keys: Option<usize>,
 }
 
 /// f64 reference: query at position p attends to positions 0..=p whose block id is in range.
@@ -675,13 +677,17 @@ fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
     };
     if case.decode {
         let ws_len = cuda::decode_workspace_len(meta.num_chunks, &shape, meta.max_context);
+        let split = case.split_keys.unwrap_or_else(|| cuda::decode_split_keys(meta.num_chunks, kvh, meta.max_context));
+        let splits = meta.max_context.div_ceil(split);
+        let ws_len = ws_len.max(meta.num_chunks * nh * splits * (hd + 2));
         let mut ws = poisoned_f32(gpu, ws_len.max(1));
-        cuda::decode_attention(
+        cuda::decode_attention_split(
             gpu,
             &dq.as_view(),
             &meta,
             &shape,
             &dc.as_view(),
+            split,
             &mut ws.as_view_mut(),
             &mut out.as_view_mut(),
         )
@@ -700,9 +706,10 @@ fn check_attention(gpu: &Gpu, case: &AttnCase, seed: u64) {
     let got = to_f32(&down(gpu, &out));
     let want = attention_reference(case, &q, stride, &cache, &tables, num_blocks);
     let what = format!(
-        "{} hd={hd} heads={nh}/{kvh} bs={bs} chunks={:?}",
+        "{} hd={hd} heads={nh}/{kvh} bs={bs} chunks={:?} split={:?}",
         if case.decode { "decode" } else { "prefill" },
-        case.chunks
+        case.chunks,
+        case.split_keys,
     );
     assert_close(&what, &got, &want, 1e-2);
     // Without holes the CPU kernel (f32) agrees as well.
@@ -764,6 +771,7 @@ fn prefill_attention_matches_reference() {
                 decode: false,
                 context_slack: 0,
                 hole,
+                split_keys: None,
             };
             check_attention(&g, &case, 100 + i as u64);
         }
@@ -779,6 +787,7 @@ fn prefill_attention_matches_reference() {
             decode: false,
             context_slack: 0,
             hole: false,
+            split_keys: None,
         };
         check_attention(&g, &case, 7 + bs as u64);
     }
@@ -800,6 +809,7 @@ fn decode_attention_matches_reference() {
             decode: true,
             context_slack: 0,
             hole: false,
+            split_keys: None,
         };
         check_attention(&g, &case, 200 + i as u64);
         // A single split (max_context <= 256), and a bound far above the real contexts (a graph
@@ -813,6 +823,7 @@ fn decode_attention_matches_reference() {
             decode: true,
             context_slack: 0,
             hole: false,
+            split_keys: None,
         };
         check_attention(&g, &case, 300 + i as u64);
         let case = AttnCase {
@@ -824,8 +835,27 @@ fn decode_attention_matches_reference() {
             decode: true,
             context_slack: 3000,
             hole: true,
+            split_keys: None,
         };
         check_attention(&g, &case, 400 + i as u64);
+    }
+    // Every split length from the shortest to one covering the whole context, and the ends of
+    // the block-size range (16-key groups spanning two blocks; one block holding many groups).
+    for split in [64, 128, 512, 1024] {
+        for (bs, heads, kv_heads) in [(8, 64, 8), (128, 32, 8), (16, 9, 3)] {
+            let case = AttnCase {
+                heads,
+                kv_heads,
+                head_dim: if heads == 9 { 64 } else { 128 },
+                block_size: bs,
+                chunks: vec![(0, 1), (63, 1), (64, 1), (1000, 1), (2047, 1)],
+                decode: true,
+                context_slack: 100,
+                hole: bs == 8,
+                split_keys: Some(split),
+            };
+            check_attention(&g, &case, 500 + split as u64 + bs as u64);
+        }
     }
 }
 

@@ -20,9 +20,7 @@ use super::error::{GpuError, Result, check, need_len, to_i32};
 use super::gpu::Gpu;
 use super::kernel::{Kernel, MAX_DYNAMIC_SMEM};
 
-/// Keys per decode split (`DEC_SPLIT` in attention_decode.cu).
-const DECODE_SPLIT_KEYS: usize = 256;
-/// Key rows per shared-memory tile in both kernels (`DEC_TILE`, `PF_BK`).
+/// Key rows per shared-memory tile of the prefill kernel (`PF_BK`).
 const KEY_TILE: usize = 64;
 /// Query rows ((token, head) pairs) per prefill CTA (`PF_BQ`).
 const PREFILL_ROWS: usize = 64;
@@ -81,6 +79,7 @@ struct AttnParams {
     q_row_stride: i32,
     q_rows: i32,
     num_splits: i32,
+    split_keys: i32,
     head_dim: i32,
     scale: f32,
 }
@@ -88,20 +87,67 @@ struct AttnParams {
 // SAFETY: repr(C), only i32/f32 fields, no padding or pointers; matches the CUDA struct.
 unsafe impl DeviceRepr for AttnParams {}
 
-/// How many splits a decode launch uses for contexts up to `max_context`.
-fn decode_splits(max_context: usize) -> usize {
-    max_context.div_ceil(DECODE_SPLIT_KEYS).max(1)
+/// The shortest decode split (keys); every split is a multiple of it (4 warps x 16 keys).
+pub const DECODE_MIN_SPLIT: usize = 64;
+/// The longest decode split the launcher picks.
+const DECODE_MAX_SPLIT: usize = 1024;
+/// CTAs a decode launch aims for. Longer splits pay the pipeline's start and the reduction less
+/// often; on an H100 (132 SMs) at 1k context a 1024-key split was fastest from batch 16 up (one
+/// CTA per SM already streams 2 TB/s), and at batch 1 (8 KV heads) 128 keys, 64 CTAs, was
+/// (`tandem bench engine --breakdown-only` times every split).
+const DECODE_TARGET_CTAS: usize = 64;
+
+/// Keys per split that [`decode_attention`] uses for `num_chunks` sequences with contexts up to
+/// `max_context`: the longest split, up to 1024 keys, whose grid still has about
+/// `DECODE_TARGET_CTAS` CTAs (fewer partials to combine), never shorter than [`DECODE_MIN_SPLIT`].
+pub fn decode_split_keys(num_chunks: usize, num_kv_heads: usize, max_context: usize) -> usize {
+    let mut split = DECODE_MAX_SPLIT;
+    while split > DECODE_MIN_SPLIT
+        && num_chunks * num_kv_heads * max_context.div_ceil(split) < DECODE_TARGET_CTAS
+    {
+        split /= 2;
+    }
+    split
 }
 
-/// How many f32 the `workspace` of [`decode_attention`] must hold for `num_chunks` chunks with
-/// contexts up to `max_context` (0 when one split suffices).
-pub fn decode_workspace_len(num_chunks: usize, shape: &AttnShape, max_context: usize) -> usize {
-    let splits = decode_splits(max_context);
+/// Splits of a decode launch with `split_keys` keys per split.
+fn decode_splits(max_context: usize, split_keys: usize) -> usize {
+    max_context.div_ceil(split_keys).max(1)
+}
+
+/// f32 the workspace of one decode launch needs (0 with one split).
+fn split_workspace_len(num_chunks: usize, shape: &AttnShape, max_context: usize, split_keys: usize) -> usize {
+    let splits = decode_splits(max_context, split_keys);
     if splits == 1 {
         0
     } else {
         num_chunks * shape.num_heads * splits * (shape.head_dim + 2)
     }
+}
+
+/// How many f32 the `workspace` of [`decode_attention`] must hold for any launch of up to
+/// `num_chunks` chunks with contexts up to `max_context` (0 when one split always suffices).
+///
+/// A bound, not the exact need of one launch: a graph captured for fewer chunks or a shorter
+/// context picks a shorter split and may need more partials per chunk. When
+/// [`decode_split_keys`] stops below 1024 keys, the grid has fewer than `2 * DECODE_TARGET_CTAS`
+/// CTAs (halving once more fell below the target); at 1024 keys it has
+/// `chunks * kv_heads * ceil(context / 1024)`. Each CTA writes `group * (head_dim + 2)` f32.
+pub fn decode_workspace_len(num_chunks: usize, shape: &AttnShape, max_context: usize) -> usize {
+    if max_context <= DECODE_MIN_SPLIT || num_chunks == 0 || shape.num_kv_heads == 0 {
+        return 0;
+    }
+    let group = shape.num_heads / shape.num_kv_heads;
+    let ctas = (2 * DECODE_TARGET_CTAS)
+        .max(num_chunks * shape.num_kv_heads * max_context.div_ceil(DECODE_MAX_SPLIT));
+    let bound = ctas * group * (shape.head_dim + 2);
+    bound.min(split_workspace_len(num_chunks, shape, max_context, DECODE_MIN_SPLIT))
+}
+
+/// Dynamic shared memory of a decode CTA: 4 warps x 2 stages x (K, V) x 16 rows of
+/// `head_dim + 8` bf16 (`DecodeSmem<HD>::BYTES` in attention_decode.cu).
+fn decode_smem(head_dim: usize) -> usize {
+    4 * 2 * 2 * 16 * (head_dim + 8) * 2
 }
 
 /// Checks everything the two kernels share and builds their parameters.
@@ -178,6 +224,7 @@ fn params(
         q_row_stride: to_i32("q_row_stride", q_row_stride)?,
         q_rows: to_i32("q rows", q_rows)?,
         num_splits: 1,
+        split_keys: 0,
         head_dim: head_dim as i32,
         scale,
     })
@@ -238,9 +285,10 @@ pub fn prefill_attention(
 }
 
 /// Attention of decode chunks (each exactly one query token, at position `start_pos[c]`) over
-/// the paged cache, split over the context (flash-decoding). Shapes as in [`prefill_attention`];
-/// `workspace` holds at least [`decode_workspace_len`]`(num_chunks, shape, max_context)` f32.
-/// A chunk whose length is not 1 is skipped.
+/// the paged cache, split over the context (flash-decoding) with [`decode_split_keys`] keys per
+/// split. Shapes as in [`prefill_attention`]; `workspace` holds at least
+/// [`decode_workspace_len`]`(num_chunks, shape, max_context)` f32. A chunk whose length is not 1
+/// is skipped.
 pub fn decode_attention(
     gpu: &Gpu,
     q: &CudaView<'_, bf16>,
@@ -250,15 +298,37 @@ pub fn decode_attention(
     workspace: &mut CudaViewMut<'_, f32>,
     out: &mut CudaViewMut<'_, bf16>,
 ) -> Result<()> {
+    let split = decode_split_keys(meta.num_chunks, shape.num_kv_heads, meta.max_context);
+    decode_attention_split(gpu, q, meta, shape, cache, split, workspace, out)
+}
+
+/// [`decode_attention`] with `split_keys` keys per split (a positive multiple of
+/// [`DECODE_MIN_SPLIT`]), for benchmarks and tests; the workspace must hold what that split needs
+/// (`num_chunks * num_heads * splits * (head_dim + 2)` f32 with more than one split).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_split(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    meta: &AttnMeta<'_>,
+    shape: &AttnShape,
+    cache: &CudaView<'_, bf16>,
+    split_keys: usize,
+    workspace: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
     let mut p = params(gpu, q, meta, shape, cache, out)?;
-    let splits = decode_splits(meta.max_context);
+    check(
+        split_keys > 0 && split_keys.is_multiple_of(DECODE_MIN_SPLIT) && split_keys <= i32::MAX as usize,
+        || format!("split_keys {split_keys} must be a positive multiple of {DECODE_MIN_SPLIT}"),
+    )?;
+    let splits = decode_splits(meta.max_context, split_keys);
     check(splits <= 65_535, || {
         format!("max_context {} needs too many splits", meta.max_context)
     })?;
     need_len(
         "workspace",
         workspace.len(),
-        decode_workspace_len(meta.num_chunks, shape, meta.max_context),
+        split_workspace_len(meta.num_chunks, shape, meta.max_context, split_keys),
     )?;
     if meta.num_chunks == 0 || p.q_rows == 0 {
         return Ok(());
@@ -266,12 +336,10 @@ pub fn decode_attention(
     check(meta.num_chunks <= i32::MAX as usize, || {
         "too many chunks".into()
     })?;
+    p.split_keys = split_keys as i32;
     p.num_splits = splits as i32;
-    let (hd, group) = (shape.head_dim, p.group as usize);
-    let smem = 2 * KEY_TILE * (hd + 8) * 2
-        + (group * hd + group * KEY_TILE + 3 * group + 1) * 4
-        + 8
-        + KEY_TILE * 8;
+    let hd = shape.head_dim;
+    let smem = decode_smem(hd);
     debug_assert!(smem <= MAX_DYNAMIC_SMEM);
     let kernel = if hd == 64 {
         Kernel::DecodeAttentionHd64
@@ -315,4 +383,51 @@ pub fn decode_attention(
         unsafe { launch.launch(cfg) }?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> AttnShape {
+        AttnShape { num_heads, num_kv_heads, head_dim, block_size: 16, num_blocks: 1, q_row_stride: num_heads * head_dim, scale: 1.0 }
+    }
+
+    #[test]
+    fn split_keys_fill_the_gpu_within_bounds() {
+        // Batch 1 at 1k context with 8 KV heads: 128 keys; batch 16 and up: one 1024-key split.
+        assert_eq!(decode_split_keys(1, 8, 1024), 128);
+        assert_eq!(decode_split_keys(16, 8, 1024), 1024);
+        assert_eq!(decode_split_keys(1, 1, 1024), DECODE_MIN_SPLIT);
+        for (chunks, kv, ctx) in [(1, 1, 1), (3, 8, 5000), (64, 8, 1024), (1000, 2, 131_072)] {
+            let s = decode_split_keys(chunks, kv, ctx);
+            assert!(s.is_multiple_of(DECODE_MIN_SPLIT) && (DECODE_MIN_SPLIT..=DECODE_MAX_SPLIT).contains(&s));
+            // Below the longest split the grid has between the target and twice it, unless the
+            // shortest split still falls short.
+            let ctas = chunks * kv * ctx.div_ceil(s);
+            if s < DECODE_MAX_SPLIT {
+                assert!(ctas < 2 * DECODE_TARGET_CTAS, "{chunks} {kv} {ctx}: {ctas}");
+                assert!(ctas >= DECODE_TARGET_CTAS || s == DECODE_MIN_SPLIT);
+            }
+        }
+    }
+
+    #[test]
+    fn workspace_bound_covers_every_smaller_launch() {
+        // A graph captured for fewer chunks or a shorter context must fit the workspace sized for
+        // the maximum: check every chunk count and a sweep of contexts exhaustively.
+        for (nh, kv, hd) in [(32, 8, 128), (9, 3, 64), (16, 16, 64)] {
+            let sh = shape(nh, kv, hd);
+            for (max_chunks, max_ctx) in [(1, 64), (1, 65), (4, 5000), (64, 2048), (300, 8192), (17, 131_072)] {
+                let bound = decode_workspace_len(max_chunks, &sh, max_ctx);
+                for b in 1..=max_chunks {
+                    for ctx in (1..=max_ctx).step_by(max_ctx.div_ceil(300)).chain([max_ctx]) {
+                        let need = split_workspace_len(b, &sh, ctx, decode_split_keys(b, kv, ctx));
+                        assert!(need <= bound, "{nh}/{kv}x{hd}: {b} chunks at {ctx} need {need} > {bound}");
+                    }
+                }
+            }
+        }
+        assert_eq!(decode_workspace_len(10, &shape(32, 8, 128), 64), 0, "one split always suffices");
+    }
 }

@@ -31,6 +31,7 @@ mod kernel;
 mod sampling;
 
 pub use attention::{
+    DECODE_MIN_SPLIT, decode_attention_split, decode_split_keys,
     AttnMeta, AttnShape, decode_attention, decode_workspace_len, prefill_attention,
 };
 pub use compile::{cache_dir, compile, compile_source, nvrtc_version};
