@@ -178,13 +178,18 @@ fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) 
     let shapes = [(qkv_w, h), (h, nh * hd), (2 * i, h), (h, i)];
     let mut gemm_ms = 0.0;
     let mut gemm_bytes = 0.0;
+    let mut plans = cuda::GemmPlans::new(gpu)?;
     for &(n, k) in shapes.iter().chain(std::iter::once(&(v, h))) {
         let layers = if n == v { 1.0 } else { cfg.num_layers as f64 };
         let w = random(n * k)?;
         let x = random(batch * k)?;
         let mut out = gpu.alloc_zeros::<f32>(batch * n)?;
+        // As the engine runs it: the plan tuned for this shape (cached on disk), or cuBLAS.
+        if gemm_tuning_on() {
+            plans.tune(gpu, cuda::GemmShape { m: batch, n, k, f32_out: true }, &x.slice(..), &w.slice(..), cuda::TuneOut::F32(out.slice_mut(..)))?;
+        }
         let ms = time_events(gpu, 2, 10, || {
-            cuda::gemm(gpu, &x.slice(..), &w.slice(..), GemmOut::F32 { out: &mut out.slice_mut(..), accumulate: false }, batch, n, k)?;
+            plans.gemm(gpu, &x.slice(..), &w.slice(..), GemmOut::F32 { out: &mut out.slice_mut(..), accumulate: false }, batch, n, k)?;
             Ok(())
         })?;
         gemm_ms += ms * layers;
@@ -228,6 +233,56 @@ fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) 
     let attn_bytes = (batch * context * 2 * nkv * hd * 2 * cfg.num_layers) as f64;
     let split = cuda::decode_split_keys(batch, nkv, context);
     Ok(Breakdown { gemm_ms, gemm_bytes, attn_ms, attn_bytes, split, attn_by_split })
+}
+
+/// For each GEMM of a layer (and the LM head) at `m` rows: cublasGemmEx's time and the fastest
+/// of cuBLASLt's heuristic candidates, each timed alone (ms per step, all layers).
+fn gemm_tuning(gpu: &Gpu, cfg: &ModelConfig, m: usize) -> anyhow::Result<Vec<String>> {
+    let lt = cuda::LtGemm::new(gpu)?;
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let mut rng = SmallRng::seed_from_u64(5);
+    let mut random = |n: usize| -> anyhow::Result<cuda::CudaSlice<bf16>> {
+        let host: Vec<bf16> = (0..n).map(|_| bf16::from_f32(rng.random_range(-0.05f32..0.05))).collect();
+        Ok(gpu.upload(&host)?)
+    };
+    let mut lines = Vec::new();
+    let (mut total_blas, mut total_best) = (0.0, 0.0);
+    for (name, n, k, f32_out) in [("qkv", (nh + 2 * nkv) * hd, h, false), ("o", h, nh * hd, true), ("gate_up", 2 * i, h, false), ("down", h, i, true), ("lm_head", v, h, true)] {
+        let layers = if name == "lm_head" { 1.0 } else { cfg.num_layers as f64 };
+        let w = random(n * k)?;
+        let x = random(m * k)?;
+        let mut o32 = gpu.alloc_zeros::<f32>(if f32_out { m * n } else { 1 })?;
+        let mut o16 = gpu.alloc_zeros::<bf16>(if f32_out { 1 } else { m * n })?;
+        let out = |o32: &mut cuda::CudaSlice<f32>, o16: &mut cuda::CudaSlice<bf16>, algo: Option<&cuda::LtAlgo>| -> anyhow::Result<()> {
+            let mut v32 = o32.slice_mut(..);
+            let mut v16 = o16.slice_mut(..);
+            let dst = if f32_out { GemmOut::F32 { out: &mut v32, accumulate: true } } else { GemmOut::Bf16(&mut v16) };
+            match algo {
+                None => cuda::gemm(gpu, &x.slice(..), &w.slice(..), dst, m, n, k)?,
+                Some(a) => lt.gemm(gpu, &x.slice(..), &w.slice(..), dst, m, n, k, a)?,
+            }
+            Ok(())
+        };
+        let blas = time_events(gpu, 2, 10, || out(&mut o32, &mut o16, None))?;
+        let cands = lt.candidates(m, n, k, f32_out, 16)?;
+        let mut best = (f64::INFINITY, usize::MAX);
+        for (idx, a) in cands.iter().enumerate() {
+            let ms = time_events(gpu, 2, 10, || out(&mut o32, &mut o16, Some(a)))?;
+            if ms < best.0 {
+                best = (ms, idx);
+            }
+        }
+        total_blas += blas * layers;
+        total_best += best.0.min(blas) * layers;
+        let bytes = (n * k * 2) as f64;
+        lines.push(format!(
+            "    m={m} {name} ({n}x{k}): cuBLAS {:.1} us ({:.2} TB/s, {:.0} TFLOP/s), best of {} cuBLASLt {:.1} us (#{})",
+            blas * 1e3, bytes / (blas * 1e-3) / 1e12, 2.0 * (m * n * k) as f64 / (blas * 1e-3) / 1e12, cands.len(), best.0 * 1e3, best.1
+        ));
+    }
+    lines.push(format!("    m={m}: all GEMMs of a step {total_blas:.2} ms with cuBLAS, {total_best:.2} ms with the best of each"));
+    Ok(lines)
 }
 
 /// Parameters in the weight matrices, split into the per-token GEMM part and the embedding.
@@ -322,8 +377,17 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     }
 
     if args.breakdown_only {
+        let gpu = Gpu::new(ordinal)?;
+        let mut tuning = Vec::new();
+        for &m in args.batches.iter().chain(&args.prefill) {
+            tuning.extend(gemm_tuning(&gpu, &cfg, m)?);
+        }
         print_header(&device_name, &ceil);
         print_breakdown(&ceil, &breakdowns, &[]);
+        println!("GEMMs: cublasGemmEx against the fastest cuBLASLt candidate");
+        for l in tuning {
+            println!("{l}");
+        }
         return Ok(());
     }
 
@@ -403,11 +467,41 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     }
     let t = Instant::now();
     let mut produced = 0usize;
+    // Phases: until every request has its first token (prefill, with early decodes beside it),
+    // then pure decode steps.
+    let mut started = std::collections::HashSet::new();
+    let (mut prefill_phase, mut prefill_steps, mut decode_steps) = (None, 0usize, 0usize);
     while engine.has_unfinished() {
-        produced += engine.step()?.iter().map(|o| o.token_ids.len()).sum::<usize>();
+        let outs = engine.step()?;
+        produced += outs.iter().map(|o| o.token_ids.len()).sum::<usize>();
+        if prefill_phase.is_none() {
+            prefill_steps += 1;
+            started.extend(outs.iter().map(|o| o.request));
+            if started.len() == args.requests {
+                prefill_phase = Some(t.elapsed().as_secs_f64());
+            }
+        } else {
+            decode_steps += 1;
+        }
     }
     let secs = t.elapsed().as_secs_f64();
+    let prefill_phase = prefill_phase.unwrap_or(secs);
     ensure!(produced == args.requests * args.output_len, "the workload produced {produced} tokens");
+    // The decode phase's floor: each step reads the weights and every sequence's KV.
+    let decode_floor = {
+        let first = args.output_len - 1 - decode_steps;
+        let kv: f64 = (first..args.output_len - 1).map(|i| (args.prompt_len + i) as f64).sum::<f64>() * args.requests as f64 * kv_bytes_per_token(&cfg);
+        (decode_steps as f64 * weight_bytes(&cfg) + kv) / ceil.copy_bytes_s
+    };
+    let phases = format!(
+        "prefill phase {prefill_steps} steps {:.2} s; decode phase {decode_steps} steps {:.2} s ({:.2} ms/step, {:.0}% of its floor {:.2} s)",
+        prefill_phase,
+        secs - prefill_phase,
+        (secs - prefill_phase) / decode_steps.max(1) as f64 * 1e3,
+        decode_floor / (secs - prefill_phase) * 100.0,
+        decode_floor
+    );
+    eprintln!("offline: {phases}");
     let ours = produced as f64 / secs;
     let workload_floor = {
         let prefill = args.requests as f64 * prefill_flops(&cfg, args.prompt_len) / ceil.gemm_flops;
@@ -440,6 +534,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         workload_floor,
         ours / workload_floor * 100.0
     );
+    println!("  {phases}");
     match hf {
         Some(Ok(h)) => {
             println!("{:<44} {:>10.0} t/s {:>14} {:>8.2}x", format!("HF static generate, batch {}", h.static_batch), h.static_tok_s, "", ours / h.static_tok_s);
@@ -461,10 +556,18 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether the engine tunes its decode GEMMs (`TANDEM_GEMM_TUNING=0` turns it off).
+fn gemm_tuning_on() -> bool {
+    std::env::var("TANDEM_GEMM_TUNING").map_or(true, |v| v != "0")
+}
+
 fn print_header(device_name: &str, ceil: &Ceilings) {
+    let on_off = |on: bool| if on { "on" } else { "off" };
+    let graphs = std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0");
     println!(
-        "tandem bench engine — {device_name}, Llama-3.1-8B geometry, random bf16 weights, block 16, CUDA graphs {}",
-        if std::env::var("TANDEM_CUDA_GRAPHS").is_ok_and(|v| v == "0") { "off" } else { "on" }
+        "tandem bench engine — {device_name}, Llama-3.1-8B geometry, random bf16 weights, block 16, CUDA graphs {}, GEMM tuning {}",
+        on_off(graphs),
+        on_off(graphs && gemm_tuning_on())
     );
     println!("ceilings measured in this run: device copy {:.2} TB/s (read + write), cuBLAS bf16 GEMM 8192^3 {:.0} TFLOP/s", ceil.copy_bytes_s / 1e12, ceil.gemm_flops / 1e12);
     println!("{:<44} {:>14} {:>14} {:>9}", "metric", "tandem", "ceiling", "% / ratio");

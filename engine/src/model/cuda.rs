@@ -26,7 +26,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use cudarc::driver::result::DriverError;
 use tandem_kernels::cpu::{self, PagedLayout};
-use tandem_kernels::cuda::{self, AttnMeta, AttnShape, CudaSlice, GemmOut, Gpu, Graph, SampleParams, bf16};
+use tandem_kernels::cuda::{self, AttnMeta, AttnShape, CudaSlice, GemmOut, GemmPlans, GemmShape, Gpu, Graph, SampleParams, TuneOut, bf16};
 
 use super::BatchChunk;
 use super::backend::{CudaSizing, DeviceSample, DeviceSampled};
@@ -112,6 +112,8 @@ pub struct CudaModel {
     /// Replay decode steps from CUDA graphs (`TANDEM_CUDA_GRAPHS=0` turns it off).
     use_graphs: bool,
     graphs: HashMap<GraphKey, Graph>,
+    /// Every GEMM goes through here: decode-bucket shapes run the algorithm tuned at load.
+    plans: GemmPlans,
 }
 
 fn bf16_vec(v: &[f32]) -> Vec<bf16> {
@@ -198,7 +200,12 @@ impl CudaModel {
             return Err(Error::Device(format!("GPU memory utilization {} must be in [0.05, 1]", sizing.memory_utilization)));
         }
         let layout = PagedLayout { block_size: sizing.block_size, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
-        let ws = Workspace::new(&gpu, cfg, &sizing, layout)?;
+        let mut ws = Workspace::new(&gpu, cfg, &sizing, layout)?;
+        let use_graphs = std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let mut plans = GemmPlans::new(&gpu)?;
+        if use_graphs && std::env::var("TANDEM_GEMM_TUNING").map_or(true, |v| v != "0") {
+            tune_decode_gemms(&gpu, cfg, &w, &mut ws, &mut plans)?;
+        }
         let inv_freq = gpu.upload(&cpu::rope_inv_freq(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling))?;
         gpu.synchronize()?;
         let (free, total) = gpu.mem_info()?;
@@ -245,8 +252,9 @@ impl CudaModel {
             max_model_len: sizing.max_model_len,
             mirror: None,
             copy_stream,
-            use_graphs: std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            use_graphs,
             graphs: HashMap::new(),
+            plans,
         })
     }
 
@@ -398,6 +406,7 @@ impl CudaModel {
         let qkv_w = cfg.qkv_width();
         let (t, c) = (host.tokens, host.chunks);
         let gpu = &self.gpu;
+        let plans = &self.plans;
         let ws = &mut self.ws;
         let (positions, rest) = ws.meta.split_at(t);
         let (slots, rest) = rest.split_at(t);
@@ -418,7 +427,7 @@ impl CudaModel {
         cuda::embedding(gpu, &self.embed.slice(..), &ws.ids.slice(0..t), &mut ws.x.slice_mut(0..t * h))?;
         for (l, layer) in self.layers.iter().enumerate() {
             cuda::rms_norm(gpu, &mut ws.x.slice_mut(0..t * h), None, &layer.input_norm.slice(..), eps, &mut ws.normed.slice_mut(0..t * h))?;
-            cuda::gemm(gpu, &ws.normed.slice(0..t * h), &layer.qkv.slice(..), GemmOut::Bf16(&mut ws.qkv.slice_mut(0..t * qkv_w)), t, qkv_w, h)?;
+            plans.gemm(gpu, &ws.normed.slice(0..t * h), &layer.qkv.slice(..), GemmOut::Bf16(&mut ws.qkv.slice_mut(0..t * qkv_w)), t, qkv_w, h)?;
             cuda::rope(gpu, &mut ws.qkv.slice_mut(0..t * qkv_w), &positions.slice(..), &self.inv_freq.slice(..), nh + nkv, hd, qkv_w)?;
             cuda::write_kv(gpu, &ws.qkv.slice(0..t * qkv_w), &slots.slice(..), &mut self.kv[l].slice_mut(..), &self.layout, self.num_blocks, nh * hd, qkv_w)?;
             after_kv(l).map_err(dev)?;
@@ -429,11 +438,11 @@ impl CudaModel {
             } else {
                 cuda::prefill_attention(gpu, &q, &meta, &shape, &self.kv[l].slice(..), out)?;
             }
-            cuda::gemm(gpu, &ws.attn.slice(0..t * nh * hd), &layer.o.slice(..), GemmOut::F32 { out: &mut ws.x.slice_mut(0..t * h), accumulate: true }, t, h, nh * hd)?;
+            plans.gemm(gpu, &ws.attn.slice(0..t * nh * hd), &layer.o.slice(..), GemmOut::F32 { out: &mut ws.x.slice_mut(0..t * h), accumulate: true }, t, h, nh * hd)?;
             cuda::rms_norm(gpu, &mut ws.x.slice_mut(0..t * h), None, &layer.post_norm.slice(..), eps, &mut ws.normed.slice_mut(0..t * h))?;
-            cuda::gemm(gpu, &ws.normed.slice(0..t * h), &layer.gate_up.slice(..), GemmOut::Bf16(&mut ws.gate_up.slice_mut(0..t * 2 * inter)), t, 2 * inter, h)?;
+            plans.gemm(gpu, &ws.normed.slice(0..t * h), &layer.gate_up.slice(..), GemmOut::Bf16(&mut ws.gate_up.slice_mut(0..t * 2 * inter)), t, 2 * inter, h)?;
             cuda::silu_mul(gpu, &ws.gate_up.slice(0..t * 2 * inter), &mut ws.act.slice_mut(0..t * inter), inter)?;
-            cuda::gemm(gpu, &ws.act.slice(0..t * inter), &layer.down.slice(..), GemmOut::F32 { out: &mut ws.x.slice_mut(0..t * h), accumulate: true }, t, h, inter)?;
+            plans.gemm(gpu, &ws.act.slice(0..t * inter), &layer.down.slice(..), GemmOut::F32 { out: &mut ws.x.slice_mut(0..t * h), accumulate: true }, t, h, inter)?;
         }
 
         // Only the rows that want logits go through the final norm and the LM head. When they are
@@ -453,7 +462,7 @@ impl CudaModel {
         cuda::rms_norm(gpu, &mut ws.x_rows.slice_mut(0..rows * h), None, &self.norm.slice(..), eps, &mut ws.normed_rows.slice_mut(0..rows * h))?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let v = cfg.vocab_size;
-        cuda::gemm(
+        plans.gemm(
             gpu,
             &ws.normed_rows.slice(0..rows * h),
             &head.slice(..),
@@ -733,6 +742,39 @@ impl HostBatch {
 struct GraphKey {
     batch: usize,
     context: usize,
+}
+
+/// Tunes the GEMMs of every decode-graph bucket (the batch sizes [`graph_key`] pads to): the
+/// four of a layer, timed on layer 0's weights, and the LM head, with the workspace as scratch
+/// (its contents do not matter at load).
+fn tune_decode_gemms(gpu: &Gpu, cfg: &ModelConfig, w: &Weights, ws: &mut Workspace, plans: &mut GemmPlans) -> Result<()> {
+    let Some(layer) = w.layers.first() else { return Ok(()) };
+    let started = std::time::Instant::now();
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (qkv_w, attn_w) = (cfg.qkv_width(), cfg.num_heads * cfg.head_dim);
+    let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+    // Random inputs, not the zeros the workspace starts with: tensor cores fed zeros draw less
+    // power and run faster, which would favour compute-heavy algorithms.
+    let max_m = ws.max_chunks;
+    let stream = gpu.stream().clone();
+    for (buf, n, seed) in [(&mut ws.normed, max_m * h, 1), (&mut ws.attn, max_m * attn_w, 2), (&mut ws.act, max_m * i, 3), (&mut ws.normed_rows, max_m.min(ws.max_rows) * h, 4)] {
+        stream.memcpy_htod(&random_bf16(n, 1.0, seed), &mut buf.slice_mut(0..n)).map_err(dev)?;
+    }
+    let buckets: std::collections::BTreeSet<usize> =
+        (1..=ws.max_chunks).filter_map(|b| graph_key(b, 1, ws.max_chunks, usize::MAX).map(|k| k.batch)).collect();
+    for m in buckets {
+        let shape = |n, k, f32_out| GemmShape { m, n, k, f32_out };
+        plans.tune(gpu, shape(qkv_w, h, false), &ws.normed.slice(0..m * h), &layer.qkv.slice(..), TuneOut::Bf16(ws.qkv.slice_mut(0..m * qkv_w)))?;
+        plans.tune(gpu, shape(h, attn_w, true), &ws.attn.slice(0..m * attn_w), &layer.o.slice(..), TuneOut::F32(ws.x.slice_mut(0..m * h)))?;
+        plans.tune(gpu, shape(2 * i, h, false), &ws.normed.slice(0..m * h), &layer.gate_up.slice(..), TuneOut::Bf16(ws.gate_up.slice_mut(0..m * 2 * i)))?;
+        plans.tune(gpu, shape(h, i, true), &ws.act.slice(0..m * i), &layer.down.slice(..), TuneOut::F32(ws.x.slice_mut(0..m * h)))?;
+        if m <= ws.max_rows {
+            plans.tune(gpu, shape(v, h, true), &ws.normed_rows.slice(0..m * h), &head.slice(..), TuneOut::F32(ws.logits.slice_mut(0..m * v)))?;
+        }
+    }
+    let (shapes, lt) = plans.counts();
+    tracing::info!(shapes, cublaslt = lt, secs = started.elapsed().as_secs_f64(), "decode GEMMs tuned");
+    Ok(())
 }
 
 /// The graph bucket for a decode step of `batch` sequences whose longest context is `context`:

@@ -25,6 +25,7 @@ mod compile;
 mod elementwise;
 mod error;
 mod gemm;
+mod gemm_lt;
 mod gpu;
 mod graph;
 mod kernel;
@@ -41,6 +42,7 @@ pub use cudarc::driver::{
 pub use elementwise::{embedding, rms_norm, rope, silu_mul, write_kv};
 pub use error::{GpuError, Result};
 pub use gemm::{GemmOut, gemm};
+pub use gemm_lt::{GemmPlans, GemmShape, LtAlgo, LtGemm, TuneOut};
 pub use gpu::Gpu;
 pub use graph::{Graph, capture};
 pub use half::bf16;
