@@ -325,6 +325,11 @@ pub fn decode_attention_split(
     check(splits <= 65_535, || {
         format!("max_context {} needs too many splits", meta.max_context)
     })?;
+    // The kernel computes split * split_keys + split_keys in int.
+    check(
+        (splits + 1).saturating_mul(split_keys) <= i32::MAX as usize,
+        || format!("{splits} splits of {split_keys} keys overflow the kernel's key positions"),
+    )?;
     need_len(
         "workspace",
         workspace.len(),

@@ -71,11 +71,14 @@ struct Desc {
 
 impl Drop for Desc {
     fn drop(&mut self) {
-        // SAFETY: each descriptor was created in `Desc::new` and is destroyed once.
+        // SAFETY: each non-null descriptor was created in `Desc::new` and is destroyed once (a
+        // layout stays null when `Desc::new` failed before creating it).
         unsafe {
-            let _ = lt::destroy_matrix_layout(self.c);
-            let _ = lt::destroy_matrix_layout(self.b);
-            let _ = lt::destroy_matrix_layout(self.a);
+            for layout in [self.c, self.b, self.a] {
+                if !layout.is_null() {
+                    let _ = lt::destroy_matrix_layout(layout);
+                }
+            }
             let _ = lt::destroy_matmul_desc(self.matmul);
         }
     }
