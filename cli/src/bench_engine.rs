@@ -414,6 +414,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     // room for `DECODE_ROOM` tokens and are aborted once the steps are timed.
     let steps = 24;
     let mut decode = Vec::new();
+    let mut step_parts = Vec::new();
     for &batch in &args.batches {
         let mut ids = Vec::with_capacity(batch);
         for _ in 0..batch {
@@ -425,6 +426,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
             started.extend(engine.step()?.into_iter().map(|o| o.request));
         }
         let mut times = Vec::new();
+        engine.reset_step_times();
         for _ in 0..steps {
             let t = Instant::now();
             let n = engine.step()?.len();
@@ -435,10 +437,21 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
             engine.abort(id);
         }
         ensure!(!engine.has_unfinished(), "requests left after the decode measurement");
+        let host = engine.step_times();
+        let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / host.steps.max(1) as f64;
+        let host = format!(
+            "schedule {:.2} ms, forward (enqueue) {:.2} ms, sample (incl. GPU wait) {:.2} ms, accept {:.2} ms",
+            per_step(host.schedule),
+            per_step(host.forward),
+            per_step(host.sample),
+            per_step(host.accept)
+        );
+        eprintln!("decode batch {batch} per step: {host}");
         let step = median(times[4..].to_vec());
         let bytes = weight_bytes(&cfg) + batch as f64 * (args.context + steps / 2) as f64 * kv_bytes_per_token(&cfg);
         let floor = bytes / ceil.copy_bytes_s;
         decode.push((batch, step, floor));
+        step_parts.push((batch, host));
         eprintln!("decode batch {batch}: {:.2} ms/step (floor {:.2} ms)", step * 1e3, floor * 1e3);
     }
 
@@ -524,6 +537,9 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         );
     }
     print_breakdown(&ceil, &breakdowns, &decode);
+    for (batch, host) in &step_parts {
+        println!("  batch {batch}, engine step wall time per step: {host}");
+    }
     for (len, tok_s, util) in &prefill {
         println!("{:<44} {:>10.0} t/s {:>10.0} t/s {:>8.0}%", format!("prefill {len} tokens"), tok_s, tok_s / util, util * 100.0);
     }

@@ -182,6 +182,24 @@ struct RequestState {
     received: Vec<u32>,
 }
 
+/// Where the engine's steps spent their wall time, summed since the engine was built or
+/// [`Engine::reset_step_times`]. The GPU runs asynchronously: `forward` is the time to prepare
+/// and enqueue the pass (on the CPU backend, the pass itself), and `sample` includes waiting for
+/// the GPU; `schedule` and `accept` are host work the GPU waits for.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepTimes {
+    /// Steps that ran a forward pass.
+    pub steps: u64,
+    /// Scheduling and block copies.
+    pub schedule: std::time::Duration,
+    /// Preparing and running (or enqueuing) the forward pass.
+    pub forward: std::time::Duration,
+    /// Sampling, including the wait for the device.
+    pub sample: std::time::Duration,
+    /// Appending tokens, detokenizing, stop checks, finishing sequences.
+    pub accept: std::time::Duration,
+}
+
 /// One model instance with its KV pool, scheduler and live requests.
 pub struct Engine {
     cfg: EngineConfig,
@@ -192,6 +210,7 @@ pub struct Engine {
     requests: HashMap<RequestId, RequestState>,
     next_id: u64,
     rng: SmallRng,
+    times: StepTimes,
 }
 
 impl Engine {
@@ -278,6 +297,7 @@ impl Engine {
             requests: HashMap::new(),
             next_id: 0,
             rng: SmallRng::seed_from_u64(seed),
+            times: StepTimes::default(),
         })
     }
 
@@ -390,6 +410,16 @@ impl Engine {
         pool.match_prefix(prompt, prompt.len() / self.cfg.block_size).len() * self.cfg.block_size
     }
 
+    /// Where the steps so far spent their time (see [`StepTimes`]).
+    pub fn step_times(&self) -> StepTimes {
+        self.times
+    }
+
+    /// Starts [`Self::step_times`] from zero.
+    pub fn reset_step_times(&mut self) {
+        self.times = StepTimes::default();
+    }
+
     /// Queue lengths and pool occupancy, for routing.
     pub fn current_load(&self) -> EngineLoad {
         let pool = self.sched.pool();
@@ -498,6 +528,7 @@ impl Engine {
     }
 
     fn run_step(&mut self, obs: Option<&mut dyn StepObserver>) -> Result<Vec<SeqOutput>> {
+        let started = std::time::Instant::now();
         let schedule = self.sched.schedule();
         for &BlockCopy { src, dst } in &schedule.copies {
             self.backend.copy_block(src.0, dst.0)?;
@@ -518,6 +549,7 @@ impl Engine {
             .zip(&tables)
             .map(|(c, t)| BatchChunk { tokens: &c.tokens, start_pos: c.start_pos, block_table: t, want_logits: c.sample })
             .collect();
+        let scheduled = std::time::Instant::now();
         let logits = match obs {
             None => self.backend.forward(&batch, None)?,
             Some(obs) => {
@@ -564,7 +596,9 @@ impl Engine {
             }
             chunk_draws.push((chunk.seq, first..draws.len()));
         }
+        let forwarded = std::time::Instant::now();
         let sampled = self.draw(&logits, &draws)?;
+        let drawn = std::time::Instant::now();
         let mut outputs = Vec::new();
         for (seq, range) in chunk_draws {
             let tokens: Vec<u32> = sampled[range.clone()].iter().map(|s| s.token).collect();
@@ -574,6 +608,12 @@ impl Engine {
                 self.accept_token(draws[i].1, s.token, Some(lp), &mut outputs)?;
             }
         }
+        let t = &mut self.times;
+        t.steps += 1;
+        t.schedule += scheduled - started;
+        t.forward += forwarded - scheduled;
+        t.sample += drawn - forwarded;
+        t.accept += drawn.elapsed();
         Ok(outputs)
     }
 
