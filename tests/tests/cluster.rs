@@ -262,12 +262,14 @@ async fn prefill_node_killed_mid_request_still_completes() {
     // The long prompt keeps the prefill node busy; kill it while it works.
     tokio::time::sleep(Duration::from_millis(300)).await;
     cluster.prefill[0].kill();
-    let started = Instant::now();
     let (_, ids, _) = tokio::time::timeout(Duration::from_secs(60), call).await.expect("no hang").unwrap().expect("request completes");
-    let took = started.elapsed();
     assert_eq!(ids, expected.await.unwrap()[0]);
-    // The decode node notices the dead prefill node at once (not at the transfer's 30 s deadline).
-    assert!(took < Duration::from_secs(20), "completing took {took:?} after the kill");
+    // The decode node learns of the dead prefill node from the failed call, not by waiting for
+    // the transfer's 30 s deadline (which would log "timed out"). Asserted on the cause rather than
+    // on the elapsed time, which a loaded machine stretches.
+    let log = cluster.decode[0].stderr();
+    assert!(log.contains("remote prefill failed"), "the decode node did not fall back:\n{log}");
+    assert!(!log.contains("timed out"), "the decode node waited for the transfer's deadline:\n{log}");
     let mut nodes = cluster.membership().await;
     wait_all_blocks_free(&mut nodes, 1).await; // the dead prefill node's lease expired
 }
