@@ -195,6 +195,7 @@ fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) 
         gemm_ms += ms * layers;
         gemm_bytes += (n * k * 2) as f64 * layers;
     }
+    plans.save();
     let block_size = 16;
     let blocks_per_seq = context.div_ceil(block_size);
     let num_blocks = batch * blocks_per_seq;

@@ -772,6 +772,7 @@ fn tune_decode_gemms(gpu: &Gpu, cfg: &ModelConfig, w: &Weights, ws: &mut Workspa
             plans.tune(gpu, shape(v, h, true), &ws.normed_rows.slice(0..m * h), &head.slice(..), TuneOut::F32(ws.logits.slice_mut(0..m * v)))?;
         }
     }
+    plans.save();
     let (shapes, lt) = plans.counts();
     tracing::info!(shapes, cublaslt = lt, secs = started.elapsed().as_secs_f64(), "decode GEMMs tuned");
     Ok(())

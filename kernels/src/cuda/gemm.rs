@@ -9,7 +9,8 @@
 //! can be captured in a CUDA graph.
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::bf16;
 
 use super::error::{Result, need_len, to_i32};
@@ -28,6 +29,28 @@ pub enum GemmOut<'a> {
         /// Add to `out` instead of overwriting it.
         accumulate: bool,
     },
+}
+
+/// Where `out` points, whether it is f32, the beta it asks for (1 to accumulate) and the guard
+/// that keeps the pointer valid; checks it holds `m*n` elements.
+pub(super) fn out_target<'a: 's, 's>(
+    out: GemmOut<'a>,
+    m: usize,
+    n: usize,
+    s: &'s CudaStream,
+) -> Result<(CUdeviceptr, bool, f32, SyncOnDrop<'s>)> {
+    Ok(match out {
+        GemmOut::Bf16(o) => {
+            need_len("out", o.len(), m * n)?;
+            let (p, g) = o.device_ptr_mut(s);
+            (p, false, 0.0, g)
+        }
+        GemmOut::F32 { out: o, accumulate } => {
+            need_len("out", o.len(), m * n)?;
+            let (p, g) = o.device_ptr_mut(s);
+            (p, true, if accumulate { 1.0 } else { 0.0 }, g)
+        }
+    })
 }
 
 /// `out[m, n] (+)= x[m, k] · w[n, k]ᵀ`, row-major; `w` in the HF `[out, in]` layout. Buffers must
@@ -52,23 +75,8 @@ pub fn gemm(
     let (a_ptr, _ga) = w.device_ptr(s);
     let (b_ptr, _gb) = x.device_ptr(s);
     let one = 1.0f32;
-    let (c_ptr, c_type, beta, _gc) = match out {
-        GemmOut::Bf16(o) => {
-            need_len("out", o.len(), m * n)?;
-            let (p, g) = o.device_ptr_mut(s);
-            (p, cudaDataType::CUDA_R_16BF, 0.0f32, g)
-        }
-        GemmOut::F32 { out: o, accumulate } => {
-            need_len("out", o.len(), m * n)?;
-            let (p, g) = o.device_ptr_mut(s);
-            (
-                p,
-                cudaDataType::CUDA_R_32F,
-                if accumulate { 1.0f32 } else { 0.0 },
-                g,
-            )
-        }
-    };
+    let (c_ptr, f32_out, beta, _gc) = out_target(out, m, n, s)?;
+    let c_type = if f32_out { cudaDataType::CUDA_R_32F } else { cudaDataType::CUDA_R_16BF };
     // SAFETY: the handle is live and bound to this stream; A (w) holds n*k, B (x) m*k and C m*n
     // elements of the stated types (checked above); alpha/beta are host f32 (pointer mode host)
     // as CUBLAS_COMPUTE_32F requires; all pointers stay valid until the call returns (it only

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
 use half::bf16;
 
 use super::error::{GpuError, Result, need_len, to_i32};
@@ -219,18 +219,7 @@ impl LtGemm {
         let (a_ptr, _ga) = w.device_ptr(s);
         let (b_ptr, _gb) = x.device_ptr(s);
         let one = 1.0f32;
-        let (c_ptr, out_f32, beta, _gc) = match out {
-            GemmOut::Bf16(o) => {
-                need_len("out", o.len(), m * n)?;
-                let (p, g) = o.device_ptr_mut(s);
-                (p, false, 0.0f32, g)
-            }
-            GemmOut::F32 { out: o, accumulate } => {
-                need_len("out", o.len(), m * n)?;
-                let (p, g) = o.device_ptr_mut(s);
-                (p, true, if accumulate { 1.0f32 } else { 0.0 }, g)
-            }
-        };
+        let (c_ptr, out_f32, beta, _gc) = super::gemm::out_target(out, m, n, s)?;
         let desc = Desc::new(m, n, k, out_f32)?;
         let (ws_ptr, _gw) = self.workspace.device_ptr(&self.stream);
         // SAFETY: the descriptors describe the checked buffer sizes and types; alpha/beta are
@@ -313,6 +302,8 @@ pub struct GemmPlans {
     plans: std::collections::HashMap<GemmShape, (Choice, Option<LtAlgo>)>,
     cache_file: Option<std::path::PathBuf>,
     cached: std::collections::HashMap<GemmShape, Choice>,
+    /// `cached` holds choices the file does not.
+    unsaved: bool,
 }
 
 impl GemmPlans {
@@ -332,12 +323,12 @@ impl GemmPlans {
             .and_then(|f| std::fs::read_to_string(f).ok())
             .map(|text| parse_cache(&text))
             .unwrap_or_default();
-        Ok(GemmPlans { lt, plans: Default::default(), cache_file, cached })
+        Ok(GemmPlans { lt, plans: Default::default(), cache_file, cached, unsaved: false })
     }
 
     /// Plans `shape`: the cached choice if there is one, else the fastest of cuBLAS and up to
-    /// 8 cuBLASLt candidates (median of 7 timed runs each, outputs written to `out`), added to
-    /// the cache. `x` and `w` must hold `m*k` and `n*k` elements; their values do not matter.
+    /// 8 cuBLASLt candidates (median of 7 timed runs each, outputs written to `out`), which
+    /// [`Self::save`] then writes to the cache. `x` and `w` must hold `m*k` and `n*k` elements; their values do not matter.
     /// Returns whether cuBLASLt was chosen.
     pub fn tune(&mut self, gpu: &Gpu, shape: GemmShape, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, out: TuneOut<'_>) -> Result<bool> {
         if let Some((choice, _)) = self.plans.get(&shape) {
@@ -368,7 +359,7 @@ impl GemmPlans {
                     }
                 }
                 self.cached.insert(shape, best.1);
-                self.save();
+                self.unsaved = true;
                 best.1
             }
         };
@@ -398,8 +389,12 @@ impl GemmPlans {
         (self.plans.len(), self.plans.values().filter(|p| p.1.is_some()).count())
     }
 
-    /// Writes the cache (best effort: a read-only cache directory only costs re-tuning).
-    fn save(&self) {
+    /// Writes the shapes tuned since the last save to the disk cache, once after a batch of
+    /// [`Self::tune`] calls (best effort: a read-only cache directory only costs re-tuning).
+    pub fn save(&mut self) {
+        if !std::mem::take(&mut self.unsaved) {
+            return;
+        }
         let Some(file) = &self.cache_file else { return };
         let mut lines: Vec<_> = self.cached.iter().collect();
         lines.sort_by_key(|(s, _)| **s);
