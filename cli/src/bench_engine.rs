@@ -92,6 +92,10 @@ pub(crate) struct EngineBenchArgs {
     /// at every split length): no engine, no HF.
     #[arg(long)]
     breakdown_only: bool,
+    /// Synchronous steps: each step's tokens are read before the next step is scheduled (turns
+    /// the engine's async scheduling off, for an A/B comparison).
+    #[arg(long)]
+    sync_steps: bool,
 }
 
 /// The two ceilings.
@@ -383,7 +387,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         for &m in args.batches.iter().chain(&args.prefill) {
             tuning.extend(gemm_tuning(&gpu, &cfg, m)?);
         }
-        print_header(&device_name, &ceil);
+        print_header(&device_name, &ceil, !args.sync_steps);
         print_breakdown(&ceil, &breakdowns, &[]);
         println!("GEMMs: cublasGemmEx against the fastest cuBLASLt candidate");
         for l in tuning {
@@ -401,6 +405,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         max_num_batched_tokens: max_prefill.max(8192),
         max_model_len: Some((args.context + DECODE_ROOM).max(max_prefill + 1).max(args.prompt_len + args.output_len)),
         enable_prefix_caching: false,
+        async_scheduling: !args.sync_steps,
         ..EngineConfig::default()
     };
     eprintln!("creating Llama-3.1-8B-geometry random bf16 weights on {device_name} ...");
@@ -527,7 +532,7 @@ pub(crate) fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     drop(engine);
     let hf = if args.no_hf { None } else { Some(run_hf(&args)) };
 
-    print_header(&device_name, &ceil);
+    print_header(&device_name, &ceil, !args.sync_steps);
     for (batch, step, floor) in &decode {
         println!(
             "{:<44} {:>11.2} ms {:>11.2} ms {:>8.0}%",
@@ -578,13 +583,14 @@ fn gemm_tuning_on() -> bool {
     std::env::var("TANDEM_GEMM_TUNING").map_or(true, |v| v != "0")
 }
 
-fn print_header(device_name: &str, ceil: &Ceilings) {
+fn print_header(device_name: &str, ceil: &Ceilings, async_scheduling: bool) {
     let on_off = |on: bool| if on { "on" } else { "off" };
     let graphs = std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0");
     println!(
-        "tandem bench engine — {device_name}, Llama-3.1-8B geometry, random bf16 weights, block 16, CUDA graphs {}, GEMM tuning {}",
+        "tandem bench engine — {device_name}, Llama-3.1-8B geometry, random bf16 weights, block 16, CUDA graphs {}, GEMM tuning {}, async scheduling {}",
         on_off(graphs),
-        on_off(graphs && gemm_tuning_on())
+        on_off(graphs && gemm_tuning_on()),
+        on_off(async_scheduling)
     );
     println!("ceilings measured in this run: device copy {:.2} TB/s (read + write), cuBLAS bf16 GEMM 8192^3 {:.0} TFLOP/s", ceil.copy_bytes_s / 1e12, ceil.gemm_flops / 1e12);
     println!("{:<44} {:>14} {:>14} {:>9}", "metric", "tandem", "ceiling", "% / ratio");

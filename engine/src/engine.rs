@@ -5,6 +5,13 @@
 //! and stop matcher turn tokens into text. No threads of its own (the GEMMs use rayon), no locks,
 //! no channels, no async: the node crates wrap it.
 //!
+//! On CUDA, steps overlap (async scheduling, as in vLLM): a step's draws are enqueued and read
+//! by the next call, after that call has scheduled and enqueued the following step, whose chunks
+//! take their tokens from those draws on the device ([`crate::sched::PENDING_TOKEN`]). The host's
+//! scheduling, detokenization and stop checks then run while the GPU computes. A step whose
+//! draws need the token history (penalties), their logits row (top logprobs) or a fork, and every
+//! step in the prefill role, reads its draws before returning.
+//!
 //! Invariants: every request that enters leaves through exactly one finish (stop, length, abort),
 //! and its blocks go back to the pool then; in the prefill role, blocks stay held until
 //! [`Engine::release`]. An unobserved [`Engine::step`] builds nothing for observers; an observed
@@ -21,12 +28,12 @@ use rand::{Rng, SeedableRng, rngs::SmallRng};
 
 use crate::config::ModelConfig;
 use crate::detok::{IncrementalDetokenizer, StopMatcher, StopOutcome};
-use crate::model::backend::{Backend, CudaSizing, DeviceSample, LayerObserver, Logits};
+use crate::model::backend::{Backend, CudaSizing, DeviceSample, DeviceSampled, LayerObserver, Logits, SampleTicket};
 use crate::model::TransferMemory;
 use crate::model::{BatchChunk, CudaModel, Device, KvCache};
 use crate::sampling::{SampledToken, Sampler, SamplingParams, penalty_history, sequence_seed};
 use crate::kv::{BlockCopy, BlockId};
-use crate::sched::{NewRequest, RemoteAlloc, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
+use crate::sched::{NewRequest, PENDING_TOKEN, RemoteAlloc, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::{Error, Result};
 
@@ -52,6 +59,10 @@ pub struct EngineConfig {
     /// CUDA: the fraction of the GPU's total memory this engine may use (weights, workspace
     /// and the KV pool, which takes what is left); `kv_cache_bytes` applies to the CPU only.
     pub gpu_memory_utilization: f32,
+    /// CUDA: overlap consecutive steps (schedule and enqueue step N+1 while step N runs, and
+    /// read step N's tokens afterwards) whenever the step's draws allow it (see
+    /// [`Engine::step`]). Outputs are the same either way.
+    pub async_scheduling: bool,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +77,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             device: Device::Cpu,
             gpu_memory_utilization: 0.9,
+            async_scheduling: true,
         }
     }
 }
@@ -185,7 +197,8 @@ struct RequestState {
 /// Where the engine's steps spent their wall time, summed since the engine was built or
 /// [`Engine::reset_step_times`]. The GPU runs asynchronously: `forward` is the time to prepare
 /// and enqueue the pass (on the CPU backend, the pass itself), and `sample` includes waiting for
-/// the GPU; `schedule` and `accept` are host work the GPU waits for.
+/// the GPU. Without overlap, `schedule` and `accept` are host work the GPU waits for; with it
+/// (see the module doc) they run while the GPU computes the step enqueued before them.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StepTimes {
     /// Steps that ran a forward pass.
@@ -200,6 +213,15 @@ pub struct StepTimes {
     pub accept: std::time::Duration,
 }
 
+/// A step whose draws are enqueued on the device and not read yet (overlapped scheduling).
+struct InFlight {
+    ticket: SampleTicket,
+    /// The sequence of each draw, in draw order.
+    draws: Vec<SeqId>,
+    /// Each sequence's draw index: where the next step's chunk of it takes its token from.
+    draw_of: HashMap<SeqId, usize>,
+}
+
 /// One model instance with its KV pool, scheduler and live requests.
 pub struct Engine {
     cfg: EngineConfig,
@@ -211,6 +233,8 @@ pub struct Engine {
     next_id: u64,
     rng: SmallRng,
     times: StepTimes,
+    /// The overlapped step whose tokens the next call reads.
+    in_flight: Option<InFlight>,
 }
 
 impl Engine {
@@ -298,6 +322,7 @@ impl Engine {
             next_id: 0,
             rng: SmallRng::seed_from_u64(seed),
             times: StepTimes::default(),
+            in_flight: None,
         })
     }
 
@@ -516,7 +541,10 @@ impl Engine {
         self.requests.get(&id).map(|r| r.usage)
     }
 
-    /// Runs one scheduling step and returns what every sequence produced.
+    /// Runs one scheduling step and returns what every sequence produced. With overlapped steps
+    /// (CUDA, see the module doc) the tokens of a step come back from the next call; a call with
+    /// nothing to schedule returns those of the step in flight, so calling `step` while
+    /// [`Self::has_unfinished`] holds delivers every token.
     pub fn step(&mut self) -> Result<Vec<SeqOutput>> {
         self.run_step(None)
     }
@@ -534,12 +562,22 @@ impl Engine {
             self.backend.copy_block(src.0, dst.0)?;
         }
         if schedule.chunks.is_empty() {
-            return Ok(Vec::new());
+            let mut outputs = Vec::new();
+            self.accept_in_flight(&mut outputs)?;
+            return Ok(outputs);
         }
         for chunk in &schedule.chunks {
             if let Some(req) = self.requests.get_mut(&chunk.seq.request).filter(|r| !r.scheduled) {
                 req.scheduled = true;
                 req.usage.cached_tokens = chunk.start_pos;
+            }
+        }
+        // Chunks whose token the step in flight is still sampling take it on the device.
+        let mut from_prev = Vec::new();
+        for (i, c) in schedule.chunks.iter().enumerate().filter(|(_, c)| c.tokens.contains(&PENDING_TOKEN)) {
+            match self.in_flight.as_ref().and_then(|f| f.draw_of.get(&c.seq)) {
+                Some(&draw) if c.tokens.len() == 1 => from_prev.push((i, draw)),
+                _ => return Err(Error::Device(format!("sequence {} was scheduled with a token no step in flight samples", c.seq))),
             }
         }
         let tables: Vec<Vec<u32>> = schedule.chunks.iter().map(|c| c.block_table.iter().map(|b| b.0).collect()).collect();
@@ -551,7 +589,7 @@ impl Engine {
             .collect();
         let scheduled = std::time::Instant::now();
         let logits = match obs {
-            None => self.backend.forward(&batch, None)?,
+            None => self.backend.forward(&batch, &from_prev, None)?,
             Some(obs) => {
                 let ready: Vec<PrefillReady> = if self.cfg.role == Role::Prefill {
                     schedule
@@ -573,7 +611,7 @@ impl Engine {
                     Some(kv) => obs.layer_done_with_kv(layer, kv),
                     None => obs.layer_done(layer),
                 };
-                self.backend.forward(&batch, Some(LayerObserver { stage: &stage, on_layer: &mut on_layer }))?
+                self.backend.forward(&batch, &from_prev, Some(LayerObserver { stage: &stage, on_layer: &mut on_layer }))?
             }
         };
 
@@ -597,24 +635,104 @@ impl Engine {
             chunk_draws.push((chunk.seq, first..draws.len()));
         }
         let forwarded = std::time::Instant::now();
-        let sampled = self.draw(&logits, &draws)?;
-        let drawn = std::time::Instant::now();
         let mut outputs = Vec::new();
-        for (seq, range) in chunk_draws {
-            let tokens: Vec<u32> = sampled[range.clone()].iter().map(|s| s.token).collect();
-            self.sched.on_sampled(seq, &tokens);
-            for (i, s) in range.clone().zip(&sampled[range]) {
-                let lp = TokenLogprob { token: s.token, logprob: s.logprob, top: s.top_logprobs.clone() };
-                self.accept_token(draws[i].1, s.token, Some(lp), &mut outputs)?;
+        if self.can_overlap(&logits, &draws) {
+            // Enqueue this step's draws, then read the previous step's while the device runs
+            // this one; this step's tokens are read by the next call.
+            let samples = self.device_samples(&draws)?;
+            let ticket = self.backend.sample_enqueue(&samples)?;
+            self.accept_in_flight(&mut outputs)?;
+            let draws: Vec<SeqId> = draws.into_iter().map(|(_, seq)| seq).collect();
+            for &seq in &draws {
+                self.sched.on_sampled(seq, &[PENDING_TOKEN]);
             }
+            let draw_of = draws.iter().enumerate().map(|(i, &seq)| (seq, i)).collect();
+            self.in_flight = Some(InFlight { ticket, draws, draw_of });
+            self.times.forward += forwarded - scheduled;
+        } else {
+            // Tokens of the step in flight first: this step's penalties and stop checks see them.
+            self.accept_in_flight(&mut outputs)?;
+            let drawing = std::time::Instant::now();
+            // Sequences that finished on those tokens (their chunk ran for nothing) draw nothing.
+            chunk_draws.retain(|(_, range)| draws[range.clone()].iter().all(|&(_, seq)| self.is_live(seq)));
+            let kept: Vec<(usize, SeqId)> = chunk_draws.iter().flat_map(|(_, r)| draws[r.clone()].iter().copied()).collect();
+            let sampled = self.draw(&logits, &kept)?;
+            let drawn = std::time::Instant::now();
+            let mut next = 0;
+            for (seq, range) in chunk_draws {
+                let range = next..next + range.len();
+                next = range.end;
+                let tokens: Vec<u32> = sampled[range.clone()].iter().map(|s| s.token).collect();
+                self.sched.on_sampled(seq, &tokens);
+                for (i, s) in range.clone().zip(&sampled[range]) {
+                    let lp = TokenLogprob { token: s.token, logprob: s.logprob, top: s.top_logprobs.clone() };
+                    self.accept_token(kept[i].1, s.token, Some(lp), &mut outputs)?;
+                }
+            }
+            self.times.forward += forwarded - scheduled;
+            self.times.sample += drawn - drawing;
+            self.times.accept += drawn.elapsed();
         }
         let t = &mut self.times;
         t.steps += 1;
         t.schedule += scheduled - started;
-        t.forward += forwarded - scheduled;
-        t.sample += drawn - forwarded;
-        t.accept += drawn.elapsed();
         Ok(outputs)
+    }
+
+    /// Whether this step's draws may be read one step later: a CUDA step outside the prefill
+    /// role, with async scheduling on, whose every draw is one sequence's (no fork) and needs
+    /// neither the token history (penalties) nor its logits row (top logprobs).
+    fn can_overlap(&self, logits: &Logits, draws: &[(usize, SeqId)]) -> bool {
+        self.cfg.async_scheduling
+            && self.cfg.role != Role::Prefill
+            && matches!(logits, Logits::Device)
+            && self.backend.overlaps_steps()
+            && draws.iter().enumerate().all(|(i, &(row, seq))| {
+                row == i
+                    && self.requests.get(&seq.request).is_some_and(|r| {
+                        (seq.index as usize) < r.seqs.len() && !r.params.has_penalties() && r.params.logprobs.unwrap_or(0) == 0
+                    })
+            })
+    }
+
+    /// Whether `seq` still runs (its request is live and it has not finished).
+    fn is_live(&self, seq: SeqId) -> bool {
+        self.requests.get(&seq.request).and_then(|r| r.seqs.get(seq.index as usize)).is_some_and(|s| !s.finished)
+    }
+
+    /// Reads the draws of the step in flight, if any, and accepts them into their sequences
+    /// (skipping sequences aborted or finished since).
+    fn accept_in_flight(&mut self, outputs: &mut Vec<SeqOutput>) -> Result<()> {
+        let Some(f) = self.in_flight.take() else { return Ok(()) };
+        let waiting = std::time::Instant::now();
+        let sampled: Vec<DeviceSampled> = self.backend.sample_collect(f.ticket)?;
+        let accepting = std::time::Instant::now();
+        for (&seq, d) in f.draws.iter().zip(&sampled) {
+            if !self.is_live(seq) {
+                continue;
+            }
+            self.sched.resolve_token(seq, d.token);
+            let lp = TokenLogprob { token: d.token, logprob: d.logprob, top: Vec::new() };
+            self.accept_token(seq, d.token, Some(lp), outputs)?;
+        }
+        self.times.sample += accepting - waiting;
+        self.times.accept += accepting.elapsed();
+        Ok(())
+    }
+
+    /// The device draws for `(logits row, sequence)` pairs, each with its sampler's step (which
+    /// takes the step's uniform from the sequence's RNG).
+    fn device_samples(&mut self, draws: &[(usize, SeqId)]) -> Result<Vec<DeviceSample>> {
+        let vocab = self.backend.config().vocab_size;
+        let mut samples = Vec::with_capacity(draws.len());
+        for &(row, seq_id) in draws {
+            let req = self.requests.get_mut(&seq_id.request).ok_or(Error::UnknownRequest(seq_id.request.0))?;
+            let seq = &mut req.seqs[seq_id.index as usize];
+            let step = seq.sampler.device_step();
+            let history = if step.penalised { penalty_history(&req.prompt, &seq.output, vocab) } else { Vec::new() };
+            samples.push(DeviceSample { row, step, history });
+        }
+        Ok(samples)
     }
 
     /// Samples every `(logits row, sequence)` draw: on the host through each sequence's
@@ -632,14 +750,7 @@ impl Engine {
                 }
             }
             Logits::Device => {
-                let mut samples = Vec::with_capacity(draws.len());
-                for &(row, seq_id) in draws {
-                    let req = self.requests.get_mut(&seq_id.request).ok_or(Error::UnknownRequest(seq_id.request.0))?;
-                    let seq = &mut req.seqs[seq_id.index as usize];
-                    let step = seq.sampler.device_step();
-                    let history = if step.penalised { penalty_history(&req.prompt, &seq.output, vocab) } else { Vec::new() };
-                    samples.push(DeviceSample { row, step, history });
-                }
+                let samples = self.device_samples(draws)?;
                 for (d, &(_, seq_id)) in self.backend.sample_on_device(&samples)?.into_iter().zip(draws) {
                     let top_logprobs = match &d.penalised_row {
                         Some(row) => {

@@ -164,3 +164,14 @@ extern "C" __global__ void write_kv(const bf16* __restrict__ qkv, const int* __r
         *reinterpret_cast<uint4*>(dst) = val;
     }
 }
+
+// Token ids that come from an earlier step's sampler (overlapped scheduling): for i < n with
+// src[i] >= 0, ids[i] = sampled[src[i]]; an index outside the `num_sampled` draws leaves ids[i]
+// unchanged. One thread per token.
+extern "C" __global__ void resolve_tokens(u32* __restrict__ ids, const int* __restrict__ src,
+                                          const u32* __restrict__ sampled, int n, int num_sampled) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int s = src[i];
+    if (s >= 0 && s < num_sampled) ids[i] = sampled[s];
+}

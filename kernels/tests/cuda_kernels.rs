@@ -122,6 +122,39 @@ fn embedding_gathers_rows() {
     check_embedding(&g, 300, 100, 5, 2); // scalar (h % 8 != 0)
 }
 
+fn check_resolve_tokens(gpu: &Gpu, n: usize, num_sampled: usize, seed: u64) {
+    let mut r = rng(seed);
+    let sampled: Vec<u32> = (0..num_sampled).map(|_| r.random_range(1..50_000)).collect();
+    // Half the tokens come from the sampler (in a random order), some indices are out of range.
+    let src: Vec<i32> = (0..n)
+        .map(|i| match i % 4 {
+            0 | 1 => r.random_range(0..num_sampled as i32),
+            2 => -1,
+            _ => num_sampled as i32 + r.random_range(0..3),
+        })
+        .collect();
+    let poison: Vec<u32> = (0..n).map(|_| 0xdead_0000 | r.random_range(0..0xffff)).collect();
+    let mut ids = gpu.upload(&poison).unwrap();
+    let (ds, dp) = (gpu.upload(&src).unwrap(), gpu.upload(&sampled).unwrap());
+    cuda::resolve_tokens(gpu, &mut ids.as_view_mut(), &ds.as_view(), &dp.as_view()).unwrap();
+    let got = down(gpu, &ids);
+    let want: Vec<u32> = src
+        .iter()
+        .zip(&poison)
+        .map(|(&s, &p)| if s >= 0 && (s as usize) < num_sampled { sampled[s as usize] } else { p })
+        .collect();
+    assert_eq!(got, want, "n={n} sampled={num_sampled}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn resolve_tokens_takes_ids_from_the_sampler() {
+    let g = gpu();
+    check_resolve_tokens(&g, 1, 1, 1);
+    check_resolve_tokens(&g, 300, 256, 2);
+    check_resolve_tokens(&g, 2048, 17, 3);
+}
+
 /// HF's RMSNorm: `bf16(weight * bf16(x * rsqrt(mean(x²) + eps)))`, in f64 before the roundings.
 fn check_rms_norm(gpu: &Gpu, t: usize, h: usize, with_delta: bool, seed: u64) {
     let mut r = rng(seed);

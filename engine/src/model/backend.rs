@@ -16,6 +16,7 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
+pub(crate) use super::cuda::SampleTicket;
 use super::{BatchChunk, CudaModel, KvCache, Model};
 use crate::config::ModelConfig;
 use crate::sampling::DeviceStep;
@@ -205,7 +206,20 @@ impl Backend {
     /// One forward pass. With `observe`, the pass reports each layer once its K/V is written
     /// and readable on the host: the CPU cache itself (passed to the callback), or for the CUDA
     /// backend the `stage` blocks copied into the host mirror (the callback gets `None`).
-    pub(crate) fn forward(&mut self, chunks: &[BatchChunk<'_>], observe: Option<LayerObserver<'_>>) -> Result<Logits> {
+    /// `from_prev` (CUDA only, see [`CudaModel::forward_from`]) names chunks whose token is the
+    /// draw of the last [`Self::sample_enqueue`].
+    pub(crate) fn forward(&mut self, chunks: &[BatchChunk<'_>], from_prev: &[(usize, usize)], observe: Option<LayerObserver<'_>>) -> Result<Logits> {
+        if !from_prev.is_empty() {
+            return match (self, observe) {
+                (Backend::Cuda(m), None) => m.forward_from(chunks, from_prev).map(|()| Logits::Device),
+                (Backend::Cuda(m), Some(o)) if o.stage.is_empty() => {
+                    m.forward_from(chunks, from_prev)?;
+                    (0..m.config().num_layers).for_each(|l| (o.on_layer)(l, None));
+                    Ok(Logits::Device)
+                }
+                _ => Err(Error::Device("only an unstaged CUDA pass takes tokens from the previous step's draws".into())),
+            };
+        }
         match (self, observe) {
             (Backend::Cpu { model, kv }, None) => model.forward(chunks, kv).map(Logits::Host),
             (Backend::Cpu { model, kv }, Some(o)) => model.forward_observed(chunks, kv, &mut |l, kv| (o.on_layer)(l, Some(kv))).map(Logits::Host),
@@ -247,6 +261,28 @@ impl Backend {
             Backend::Cuda(m) => m.sample(samples),
             Backend::Cpu { .. } => Err(Error::Device("the CPU backend returns host logits".into())),
         }
+    }
+
+    /// Enqueues draws from device-resident logits rows without waiting for them (CUDA only);
+    /// a later forward pass may take its tokens from them before they are collected.
+    pub(crate) fn sample_enqueue(&mut self, samples: &[DeviceSample]) -> Result<SampleTicket> {
+        match self {
+            Backend::Cuda(m) => m.sample_enqueue(samples),
+            Backend::Cpu { .. } => Err(Error::Device("the CPU backend samples on the host".into())),
+        }
+    }
+
+    /// Waits for the draws of [`Self::sample_enqueue`].
+    pub(crate) fn sample_collect(&mut self, ticket: SampleTicket) -> Result<Vec<DeviceSampled>> {
+        match self {
+            Backend::Cuda(m) => m.sample_collect(ticket),
+            Backend::Cpu { .. } => Err(Error::Device("the CPU backend samples on the host".into())),
+        }
+    }
+
+    /// Whether steps may overlap: the next one enqueued before this one's draws are read.
+    pub(crate) fn overlaps_steps(&self) -> bool {
+        matches!(self, Backend::Cuda(_))
     }
 }
 

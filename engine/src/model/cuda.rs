@@ -6,7 +6,11 @@
 //! into the f32 residual → RMSNorm → gate/up GEMM → SiLU·mul → down GEMM accumulated into the
 //! residual) → final RMSNorm and LM head over the rows that want logits. The logits stay on the
 //! device; [`CudaModel::sample`] samples them there and copies back only tokens and logprobs
-//! (plus a penalised row when top logprobs were asked for).
+//! (plus a penalised row when top logprobs were asked for). Steps can overlap: the sampler's
+//! draws stay in device memory, and the next pass's ids can be taken from them on the device
+//! ([`CudaModel::forward_from`]) before the host has read them ([`CudaModel::sample_collect`]);
+//! per-step inputs go through page-locked staging, so enqueuing a step never waits for the one
+//! running.
 //!
 //! Invariants:
 //! - the residual stream is f32; GEMM inputs and the KV cache are bf16 (f32 accumulation);
@@ -26,11 +30,12 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use cudarc::driver::result::DriverError;
 use tandem_kernels::cpu::{self, PagedLayout};
-use tandem_kernels::cuda::{self, AttnMeta, AttnShape, CudaSlice, GemmOut, GemmPlans, GemmShape, Gpu, Graph, SampleParams, TuneOut, bf16};
+use tandem_kernels::cuda::{self, AttnMeta, AttnShape, CudaSlice, GemmOut, GemmPlans, GemmShape, Gpu, Graph, SampleParams, StagedCopy, Staging, TuneOut, bf16};
 
 use super::BatchChunk;
 use super::backend::{CudaSizing, DeviceSample, DeviceSampled};
 use crate::config::ModelConfig;
+use crate::sched::PENDING_TOKEN;
 use crate::weights::WeightStore;
 use crate::{Error, Result};
 
@@ -83,6 +88,24 @@ struct Workspace {
     pen_offsets: CudaSlice<i32>,
     pen_tokens: CudaSlice<i32>,
     pen_counts: CudaSlice<i32>,
+    /// Per token: the earlier step's draw its id comes from, or -1 (overlapped scheduling).
+    src: CudaSlice<i32>,
+    /// Page-locked staging, so enqueuing a step never waits for the one running.
+    ids_stage: Staging<u32>,
+    meta_stage: Staging<i32>,
+    src_stage: Staging<i32>,
+    params_stage: Staging<SampleParams>,
+    offsets_stage: Staging<i32>,
+    tokens_stage: Staging<u32>,
+    logprobs_stage: Staging<f32>,
+}
+
+/// Draws enqueued by [`CudaModel::sample_enqueue`], for [`CudaModel::sample_collect`].
+pub(crate) struct SampleTicket {
+    tokens: StagedCopy,
+    logprobs: StagedCopy,
+    /// Rows after penalties (downloaded at enqueue), for draws that asked for top logprobs.
+    penalised: Vec<Option<Vec<f32>>>,
 }
 
 /// A model resident on one GPU with its KV pool.
@@ -114,6 +137,9 @@ pub struct CudaModel {
     graphs: HashMap<GraphKey, Graph>,
     /// Every GEMM goes through here: decode-bucket shapes run the algorithm tuned at load.
     plans: GemmPlans,
+    /// Draws of the last [`Self::sample_enqueue`]: their tokens are in `ws.tokens`, where a
+    /// later forward pass may take token ids from.
+    last_draws: usize,
 }
 
 fn bf16_vec(v: &[f32]) -> Vec<bf16> {
@@ -255,6 +281,7 @@ impl CudaModel {
             use_graphs,
             graphs: HashMap::new(),
             plans,
+            last_draws: 0,
         })
     }
 
@@ -293,7 +320,21 @@ impl CudaModel {
     /// (pure decode) is padded to a batch-size bucket and replayed from a CUDA graph captured the
     /// first time that bucket (and context class) runs.
     pub fn forward(&mut self, chunks: &[BatchChunk<'_>]) -> Result<()> {
-        let host = self.ws.prepare(chunks, &self.cfg, &self.layout, self.num_blocks)?;
+        self.forward_from(chunks, &[])
+    }
+
+    /// [`Self::forward`] where some chunks' token is not known on the host yet: each
+    /// `(chunk, draw)` in `from_prev` names a chunk whose one token is [`PENDING_TOKEN`] and the
+    /// draw of the last [`Self::sample_enqueue`] that decides it; the device copies the sampled
+    /// id in before the pass, so the host never waits for the previous step.
+    pub(crate) fn forward_from(&mut self, chunks: &[BatchChunk<'_>], from_prev: &[(usize, usize)]) -> Result<()> {
+        if let Some(&(c, d)) = from_prev.iter().find(|&&(c, d)| c >= chunks.len() || d >= self.last_draws || chunks[c].tokens != [PENDING_TOKEN]) {
+            return Err(Error::Device(format!(
+                "chunk {c} cannot take its token from draw {d} of the previous step ({} draws)",
+                self.last_draws
+            )));
+        }
+        let host = self.ws.prepare(chunks, from_prev, &self.cfg, &self.layout, self.num_blocks)?;
         let key = if self.use_graphs && host.all_decode && host.logit_rows.len() == chunks.len() {
             graph_key(chunks.len(), host.max_context, self.ws.max_chunks, self.max_model_len)
         } else {
@@ -321,7 +362,7 @@ impl CudaModel {
     /// waits for that copy, and calls `on_layer(l)`. The copy of layer `l` and the host's send
     /// of it overlap the computation of the later layers.
     pub fn forward_staged(&mut self, chunks: &[BatchChunk<'_>], stage: &[u32], on_layer: &mut dyn FnMut(usize)) -> Result<()> {
-        let host = self.ws.prepare(chunks, &self.cfg, &self.layout, self.num_blocks)?;
+        let host = self.ws.prepare(chunks, &[], &self.cfg, &self.layout, self.num_blocks)?;
         if stage.iter().any(|&b| b as usize >= self.num_blocks) {
             return Err(Error::Device(format!("staging a block outside the pool of {}", self.num_blocks)));
         }
@@ -386,9 +427,17 @@ impl CudaModel {
         cuda::capture(&stream, || self.enqueue(padded))
     }
 
+    /// Copies the step's ids and metadata in (through page-locked staging: no wait for the
+    /// step still running) and takes the ids the previous step's sampler decides.
     fn upload(&mut self, host: &HostBatch) -> Result<()> {
-        self.gpu.upload_into(&host.ids, &mut self.ws.ids.slice_mut(0..host.tokens))?;
-        self.gpu.upload_into(&host.meta, &mut self.ws.meta.slice_mut(0..host.meta.len()))?;
+        let ws = &mut self.ws;
+        ws.ids_stage.upload(&self.gpu, &host.ids, &mut ws.ids.slice_mut(0..host.tokens))?;
+        ws.meta_stage.upload(&self.gpu, &host.meta, &mut ws.meta.slice_mut(0..host.meta.len()))?;
+        if !host.src.is_empty() {
+            let n = host.src.len();
+            ws.src_stage.upload(&self.gpu, &host.src, &mut ws.src.slice_mut(0..n))?;
+            cuda::resolve_tokens(&self.gpu, &mut ws.ids.slice_mut(0..n), &ws.src.slice(0..n), &ws.tokens.slice(0..self.last_draws))?;
+        }
         Ok(())
     }
 
@@ -487,12 +536,20 @@ impl CudaModel {
         Ok(self.gpu.mem_info()?)
     }
 
-    /// Draws every sample from the logits the last forward pass left on the device.
+    /// Draws every sample from the logits the last forward pass left on the device, and waits
+    /// for them.
     pub(crate) fn sample(&mut self, samples: &[DeviceSample]) -> Result<Vec<DeviceSampled>> {
+        let ticket = self.sample_enqueue(samples)?;
+        self.sample_collect(ticket)
+    }
+
+    /// Enqueues the draws from the logits the last forward pass left on the device and the
+    /// copy of their tokens and logprobs to the host, without waiting (except for draws asking
+    /// for top logprobs: their rows are downloaded now). The tokens stay in device memory for
+    /// [`Self::forward_from`]. Collect with [`Self::sample_collect`] before a second enqueue
+    /// after this one.
+    pub(crate) fn sample_enqueue(&mut self, samples: &[DeviceSample]) -> Result<SampleTicket> {
         let s = samples.len();
-        if s == 0 {
-            return Ok(Vec::new());
-        }
         let v = self.cfg.vocab_size;
         if s > self.ws.max_rows || samples.iter().any(|x| x.row >= self.rows) {
             return Err(Error::Device(format!("{s} draws over {} logits rows exceed the sampler's buffers", self.rows)));
@@ -500,6 +557,12 @@ impl CudaModel {
         let gpu = &self.gpu;
         let ws = &mut self.ws;
         let stream = gpu.stream().clone();
+        if s == 0 {
+            self.last_draws = 0;
+            let tokens = ws.tokens_stage.download(gpu, &ws.tokens.slice(0..0))?;
+            let logprobs = ws.logprobs_stage.download(gpu, &ws.logprobs.slice(0..0))?;
+            return Ok(SampleTicket { tokens, logprobs, penalised: Vec::new() });
+        }
         // Draws read and write their own row: when rows repeat or are out of order, lay them out one per draw.
         let in_place = samples.iter().enumerate().all(|(i, x)| x.row == i);
         if !in_place {
@@ -532,20 +595,21 @@ impl CudaModel {
             }
             offsets.push(pen_tokens.len() as i32);
         }
-        // Never pass empty buffers (the offsets say where each row's history ends).
-        pen_tokens.push(0);
-        pen_counts.push(0);
-        let p = pen_tokens.len();
-        if p > ws.pen_tokens.len() {
-            // The one growing buffer pair: the longest penalty history seen so far.
-            let cap = p.next_power_of_two();
-            ws.pen_tokens = gpu.alloc_zeros(cap)?;
-            ws.pen_counts = gpu.alloc_zeros(cap)?;
+        // With no history the offsets say every row's is empty: the (never read) history buffers
+        // keep what they hold and nothing is copied from pageable memory.
+        let p = pen_tokens.len().max(1);
+        if !pen_tokens.is_empty() {
+            if p > ws.pen_tokens.len() {
+                // The one growing buffer pair: the longest penalty history seen so far.
+                let cap = p.next_power_of_two();
+                ws.pen_tokens = gpu.alloc_zeros(cap)?;
+                ws.pen_counts = gpu.alloc_zeros(cap)?;
+            }
+            gpu.upload_into(&pen_tokens, &mut ws.pen_tokens.slice_mut(0..p))?;
+            gpu.upload_into(&pen_counts, &mut ws.pen_counts.slice_mut(0..p))?;
         }
-        gpu.upload_into(&params, &mut ws.params.slice_mut(0..s))?;
-        gpu.upload_into(&offsets, &mut ws.pen_offsets.slice_mut(0..s + 1))?;
-        gpu.upload_into(&pen_tokens, &mut ws.pen_tokens.slice_mut(0..p))?;
-        gpu.upload_into(&pen_counts, &mut ws.pen_counts.slice_mut(0..p))?;
+        ws.params_stage.upload(gpu, &params, &mut ws.params.slice_mut(0..s))?;
+        ws.offsets_stage.upload(gpu, &offsets, &mut ws.pen_offsets.slice_mut(0..s + 1))?;
         let logits = if in_place { &mut ws.logits } else { &mut ws.sample_logits };
         cuda::sample(
             gpu,
@@ -558,15 +622,27 @@ impl CudaModel {
             &mut ws.tokens.slice_mut(0..s),
             &mut ws.logprobs.slice_mut(0..s),
         )?;
-        let tokens = gpu.download(&ws.tokens.slice(0..s))?;
-        let logprobs = gpu.download(&ws.logprobs.slice(0..s))?;
-        let mut out = Vec::with_capacity(s);
+        self.last_draws = s;
+        let tokens = ws.tokens_stage.download(gpu, &ws.tokens.slice(0..s))?;
+        let logprobs = ws.logprobs_stage.download(gpu, &ws.logprobs.slice(0..s))?;
+        let mut penalised = Vec::with_capacity(s);
         for (i, x) in samples.iter().enumerate() {
-            let penalised_row = if x.step.logprobs > 0 { Some(gpu.download(&logits.slice(i * v..(i + 1) * v))?) } else { None };
-            if tokens[i] as usize >= v {
-                return Err(Error::Device(format!("the device sampler returned token {} outside the vocabulary of {v}", tokens[i])));
+            penalised.push(if x.step.logprobs > 0 { Some(gpu.download(&logits.slice(i * v..(i + 1) * v))?) } else { None });
+        }
+        Ok(SampleTicket { tokens, logprobs, penalised })
+    }
+
+    /// Waits for the draws of `ticket` and returns them in draw order.
+    pub(crate) fn sample_collect(&mut self, ticket: SampleTicket) -> Result<Vec<DeviceSampled>> {
+        let v = self.cfg.vocab_size;
+        let tokens = self.ws.tokens_stage.wait(ticket.tokens)?;
+        let logprobs = self.ws.logprobs_stage.wait(ticket.logprobs)?;
+        let mut out = Vec::with_capacity(tokens.len());
+        for ((&token, &logprob), penalised_row) in tokens.iter().zip(logprobs).zip(ticket.penalised) {
+            if token as usize >= v {
+                return Err(Error::Device(format!("the device sampler returned token {token} outside the vocabulary of {v}")));
             }
-            out.push(DeviceSampled { token: tokens[i], logprob: logprobs[i], penalised_row });
+            out.push(DeviceSampled { token, logprob, penalised_row });
         }
         Ok(out)
     }
@@ -687,6 +763,8 @@ struct HostBatch {
     tokens: usize,
     chunks: usize,
     ids: Vec<u32>,
+    /// Per token, the previous step's draw deciding its id, or -1; empty when none does.
+    src: Vec<i32>,
     meta: Vec<i32>,
     max_blocks: usize,
     max_q_len: usize,
@@ -727,6 +805,7 @@ impl HostBatch {
             tokens: batch,
             chunks: batch,
             ids,
+            src: self.src.clone(),
             meta,
             max_blocks,
             max_q_len: 1,
@@ -830,11 +909,20 @@ impl Workspace {
             pen_offsets: gpu.alloc_zeros(r + 1)?,
             pen_tokens: gpu.alloc_zeros(1024)?,
             pen_counts: gpu.alloc_zeros(1024)?,
+            src: gpu.alloc_zeros(t)?,
+            ids_stage: Staging::new(gpu, t)?,
+            meta_stage: Staging::new(gpu, 2 * t + 2 * c + 1 + c * max_blocks)?,
+            src_stage: Staging::new(gpu, t)?,
+            params_stage: Staging::new(gpu, r)?,
+            offsets_stage: Staging::new(gpu, r + 1)?,
+            tokens_stage: Staging::new(gpu, r)?,
+            logprobs_stage: Staging::new(gpu, r)?,
         })
     }
 
     /// Checks the chunks and lays out their metadata as the kernels read it.
-    fn prepare(&self, chunks: &[BatchChunk<'_>], cfg: &ModelConfig, layout: &PagedLayout, num_blocks: usize) -> Result<HostBatch> {
+    /// `from_prev` (checked by the caller) names chunks whose token a previous draw decides.
+    fn prepare(&self, chunks: &[BatchChunk<'_>], from_prev: &[(usize, usize)], cfg: &ModelConfig, layout: &PagedLayout, num_blocks: usize) -> Result<HostBatch> {
         let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         let rows = chunks.iter().filter(|c| c.want_logits && !c.tokens.is_empty()).count();
         if tokens > self.max_tokens || chunks.len() > self.max_chunks || rows > self.max_rows {
@@ -846,13 +934,15 @@ impl Workspace {
             )));
         }
         let mut ids = Vec::with_capacity(tokens);
+        let mut src = if from_prev.is_empty() { Vec::new() } else { vec![-1i32; tokens] };
+        let mut prev = from_prev.iter().copied().collect::<HashMap<usize, usize>>();
         let (mut positions, mut slots) = (Vec::with_capacity(tokens), Vec::with_capacity(tokens));
         let mut cu_q = Vec::with_capacity(chunks.len() + 1);
         let mut start_pos = Vec::with_capacity(chunks.len());
         let mut logit_rows = Vec::with_capacity(rows);
         let (mut max_q_len, mut max_context, mut max_blocks) = (0, 0, 1);
         cu_q.push(0i32);
-        for c in chunks {
+        for (ci, c) in chunks.iter().enumerate() {
             let end = c.start_pos + c.tokens.len();
             if end > cfg.max_position_embeddings {
                 return Err(Error::PromptTooLong { prompt: end, max_tokens: 0, limit: cfg.max_position_embeddings });
@@ -861,12 +951,18 @@ impl Workspace {
             if c.block_table.len() < needed || c.block_table.iter().any(|&b| b as usize >= num_blocks) || needed > self.max_blocks {
                 return Err(Error::Config("block table does not cover the chunk or names a block outside the pool".into()));
             }
+            let from = prev.remove(&ci);
             for (t, &tok) in c.tokens.iter().enumerate() {
-                if tok as usize >= cfg.vocab_size {
-                    return Err(Error::Tokenizer(format!("token id {tok} is outside the vocabulary of {}", cfg.vocab_size)));
-                }
                 let pos = c.start_pos + t;
-                ids.push(tok);
+                if let Some(draw) = from {
+                    // The device writes the id (see `CudaModel::upload`).
+                    src[ids.len()] = draw as i32;
+                    ids.push(0);
+                } else if tok as usize >= cfg.vocab_size {
+                    return Err(Error::Tokenizer(format!("token id {tok} is outside the vocabulary of {}", cfg.vocab_size)));
+                } else {
+                    ids.push(tok);
+                }
                 positions.push(pos as i32);
                 slots.push((c.block_table[pos / layout.block_size] as usize * layout.block_size + pos % layout.block_size) as i32);
             }
@@ -892,6 +988,7 @@ impl Workspace {
             tokens,
             chunks: chunks.len(),
             ids,
+            src,
             meta,
             max_blocks,
             max_q_len,
@@ -935,6 +1032,7 @@ mod tests {
             tokens: 2,
             chunks: 2,
             ids: vec![11, 12],
+            src: Vec::new(),
             // positions, slots, cu_q, start_pos, tables (width 2)
             meta: vec![5, 17, 37, 81, 0, 1, 2, 5, 17, 2, 4, 5, -1],
             max_blocks: 2,

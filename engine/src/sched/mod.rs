@@ -28,3 +28,10 @@ pub use config::{Role, SchedulerConfig};
 pub use output::{RemoteAlloc, Schedule, ScheduledChunk};
 pub use request::{NewRequest, RequestId, SeqId};
 pub use scheduler::Scheduler;
+
+/// A sampled token the engine does not know yet (overlapped scheduling): reported through
+/// [`Scheduler::on_sampled`] while the step that samples it still runs, so the next step can be
+/// scheduled at once, and replaced through [`Scheduler::resolve_token`] when it is known. It is
+/// only ever a sequence's last token; the chunk that computes it holds it alone, and the block
+/// holding it joins the prefix cache only once it is resolved.
+pub const PENDING_TOKEN: u32 = u32::MAX;

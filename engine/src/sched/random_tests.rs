@@ -5,7 +5,9 @@
 //! After every call the scheduler's invariants hold; every schedule respects the token budget
 //! and `max_num_seqs` and its block tables cover their chunks; every live sequence reads back
 //! exactly its own KV (so prefix hits, forks, copies and preemption never corrupt anything);
-//! and once new work stops, everything drains and the pool is fully free.
+//! and once new work stops, everything drains and the pool is fully free. In overlapped mode the
+//! driver behaves like the engine with async scheduling: single draws are reported as
+//! [`PENDING_TOKEN`] and resolved only after the next step has been scheduled.
 
 use std::collections::HashMap;
 
@@ -13,7 +15,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::seq::SeqState;
-use super::{NewRequest, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
+use super::{NewRequest, PENDING_TOKEN, RequestId, Role, Scheduler, SchedulerConfig, SeqId};
 use crate::Error;
 use crate::kv::sim::KvSim;
 
@@ -33,6 +35,11 @@ struct Sim {
     next_id: u64,
     prefixes: Vec<Vec<u32>>,
     stats: Stats,
+    /// Report single draws as pending and resolve them one step later.
+    overlap: bool,
+    /// Draws of the last step reported as pending: the sequence and its real token (already in
+    /// `mirror`).
+    pending: Vec<(SeqId, u32)>,
 }
 
 #[derive(Default, Debug)]
@@ -45,6 +52,7 @@ struct Stats {
     forks: usize,
     held: usize,
     remote: usize,
+    pending: usize,
 }
 
 impl Sim {
@@ -69,6 +77,8 @@ impl Sim {
             next_id: 1,
             prefixes,
             stats: Stats::default(),
+            overlap: false,
+            pending: Vec::new(),
         }
     }
 
@@ -253,6 +263,9 @@ impl Sim {
 
     /// Engine behaviour after a sample: stop at max_tokens, sometimes stop early.
     fn finish_if_done(&mut self, seq: SeqId) {
+        if !self.mirror.contains_key(&seq) {
+            return; // finished or aborted while its token was pending
+        }
         let (prompt_len, max) = self.limits[&seq.request];
         let generated = self.mirror[&seq].len() - prompt_len;
         let stop = generated >= max || self.rng.random_bool(0.05);
@@ -301,7 +314,13 @@ impl Sim {
                 "table covers chunk"
             );
             let mine = &self.mirror[&c.seq];
-            assert_eq!(&mine[c.start_pos..end], &c.tokens[..], "chunk tokens");
+            if c.tokens.contains(&PENDING_TOKEN) {
+                // Only a lone last token, sampled by the step before and not resolved yet.
+                assert_eq!((c.tokens.len(), end), (1, mine.len()), "pending token alone and last");
+                assert!(self.pending.contains(&(c.seq, mine[c.start_pos])), "pending token from the last step");
+            } else {
+                assert_eq!(&mine[c.start_pos..end], &c.tokens[..], "chunk tokens");
+            }
             assert_eq!(c.sample, end == mine.len());
             if cfg.role == Role::Prefill {
                 let prompt_len = self.limits[&c.seq.request].0;
@@ -324,10 +343,27 @@ impl Sim {
                 .verify(&c.block_table, &self.mirror[&c.seq], end)
                 .unwrap();
         }
+        // The previous step's draws become known only now, after this step was scheduled.
+        for (seq, tok) in std::mem::take(&mut self.pending) {
+            if self.mirror.contains_key(&seq) {
+                self.s.resolve_token(seq, tok);
+                self.finish_if_done(seq);
+            }
+        }
         for c in sched.chunks.iter().filter(|c| c.sample) {
+            if !self.mirror.contains_key(&c.seq) {
+                continue; // finished on its resolved token: this chunk ran for nothing
+            }
             let toks: Vec<u32> = (0..c.num_samples)
                 .map(|_| self.rng.random_range(0..20))
                 .collect();
+            if self.overlap && toks.len() == 1 && cfg.role != Role::Prefill {
+                self.s.on_sampled(c.seq, &[PENDING_TOKEN]);
+                self.mirror.get_mut(&c.seq).unwrap().push(toks[0]);
+                self.pending.push((c.seq, toks[0]));
+                self.stats.pending += 1;
+                continue;
+            }
             self.s.on_sampled(c.seq, &toks);
             let base = self.mirror[&c.seq].clone();
             for (i, &t) in toks.iter().enumerate() {
@@ -366,10 +402,17 @@ impl Sim {
     fn check(&self) {
         self.s.check_invariants().unwrap();
         for (id, s) in &self.s.seqs {
-            assert_eq!(&s.tokens, &self.mirror[id], "{id} tokens");
+            let mine = &self.mirror[id];
+            match s.tokens.split_last() {
+                Some((&PENDING_TOKEN, known)) => {
+                    assert!(self.pending.contains(&(*id, mine[known.len()])), "{id}: pending token not in flight");
+                    assert_eq!(known, &mine[..mine.len() - 1], "{id} tokens");
+                }
+                _ => assert_eq!(&s.tokens, mine, "{id} tokens"),
+            }
             // Nobody else's write ever clobbered this sequence's computed KV.
             self.kv
-                .verify(s.table.blocks(), &s.tokens, s.num_computed)
+                .verify(s.table.blocks(), mine, s.num_computed)
                 .unwrap();
         }
         assert_eq!(self.s.seqs.len(), self.mirror.len());
@@ -435,7 +478,12 @@ fn small_config(role: Role) -> SchedulerConfig {
 }
 
 fn run(seed: u64, cfg: SchedulerConfig, steps: usize) -> Stats {
+    run_mode(seed, cfg, steps, false)
+}
+
+fn run_mode(seed: u64, cfg: SchedulerConfig, steps: usize, overlap: bool) -> Stats {
     let mut sim = Sim::new(seed, cfg);
+    sim.overlap = overlap;
     for _ in 0..steps {
         for _ in 0..sim.rng.random_range(0..3) {
             sim.random_op();
@@ -498,4 +546,13 @@ fn random_roomier_pool_block_size_one_and_big_budget() {
         ..small_config(Role::Colocated)
     };
     run(40, cfg, 3_000);
+}
+
+#[test]
+fn random_overlapped_steps() {
+    for (seed, role) in [(50, Role::Colocated), (51, Role::Colocated), (52, Role::Decode)] {
+        let st = run_mode(seed, small_config(role), 4_000, true);
+        assert!(st.pending > 1000 && st.preemptions > 0 && st.cache_hit_tokens > 0, "{st:?}");
+        assert!(st.finished > 100, "{st:?}");
+    }
 }

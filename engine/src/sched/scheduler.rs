@@ -189,6 +189,14 @@ impl Scheduler {
         }
     }
 
+    /// Replaces `seq`'s last token, reported as [`super::PENDING_TOKEN`], with the token the
+    /// step sampled. Ignored for an unknown sequence or one whose last token is known.
+    pub fn resolve_token(&mut self, seq: SeqId, token: u32) {
+        if let Some(last) = self.seqs.get_mut(&seq).and_then(|s| s.tokens.last_mut()).filter(|t| **t == super::PENDING_TOKEN) {
+            *last = token;
+        }
+    }
+
     /// Creates sequences `1..=extra.len()` of `parent`'s request, sharing its blocks, placed
     /// right after it in the running order.
     fn fork(&mut self, parent: SeqId, extra: &[u32]) {

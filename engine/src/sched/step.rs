@@ -10,7 +10,8 @@
 //! free), the most recently admitted running sequence not yet scheduled this step is preempted
 //! by recompute — possibly the sequence itself. Admission never preempts. A sequence's
 //! `num_computed` advances when its chunk is scheduled, and its newly full blocks join the
-//! prefix cache at once (the engine computes every chunk of a step before the next call).
+//! prefix cache at once (the engine computes every chunk of a step before the next call), except
+//! a block whose last token is still pending (see [`super::PENDING_TOKEN`]).
 //! No I/O, no locks, no channels.
 
 use crate::kv::BlockId;
@@ -225,8 +226,10 @@ impl Scheduler {
         s.num_computed += k;
         s.scheduled_step = self.step;
         if self.cfg.enable_prefix_caching {
+            // A pending last token is not known yet: its block registers once it is resolved.
+            let known = s.tokens.len() - usize::from(s.tokens.last() == Some(&super::PENDING_TOKEN));
             self.pool
-                .register_computed(&mut s.table, &s.tokens, s.num_computed);
+                .register_computed(&mut s.table, &s.tokens, s.num_computed.min(known));
         }
         let sample = s.num_computed == s.tokens.len();
         let block_table: Vec<BlockId> = s.table.blocks().to_vec();

@@ -1,5 +1,6 @@
 //! Launchers of the row-wise and element-wise kernels (`kernels/cuda/elementwise.cu`): embedding,
-//! RMSNorm with the fused residual add, RoPE, SiLU·mul and the paged KV write.
+//! RMSNorm with the fused residual add, RoPE, SiLU·mul, the paged KV write, and the token ids an
+//! overlapped step takes from the previous step's sampler.
 //!
 //! Every launcher checks that its buffers hold at least what the launch touches (buffers may be
 //! larger: the engine passes preallocated maximum-size buffers) and that sizes fit the kernels'
@@ -291,6 +292,38 @@ pub fn write_kv(
     // SAFETY: argument types match `write_kv` in elementwise.cu; qkv holds T rows of row_stride
     // with K and V inside each row; the kernel writes only blocks < num_blocks, and cache holds
     // num_blocks blocks; every 16-byte access is aligned (checked above).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Token ids taken from an earlier step's sampler: for every `i` with `src[i] >= 0`,
+/// `ids[i] = sampled[src[i]]`; other ids stay as they are. Shapes: `ids` and `src` `[n]` (`src`
+/// may be longer: its first `ids.len()` entries are read), `sampled` `[S]`. An index `>= S` leaves
+/// its id unchanged (the host validates indices first; the kernel only refuses to read out of
+/// bounds).
+pub fn resolve_tokens(
+    gpu: &Gpu,
+    ids: &mut CudaViewMut<'_, u32>,
+    src: &CudaView<'_, i32>,
+    sampled: &CudaView<'_, u32>,
+) -> Result<()> {
+    let n = ids.len();
+    if n == 0 {
+        return Ok(());
+    }
+    need_len("src", src.len(), n)?;
+    let (n_i, s_i) = (to_i32("tokens", n)?, to_i32("sampled", sampled.len())?);
+    let threads = 256usize;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks(n, threads), 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let s = gpu.stream();
+    let mut launch = s.launch_builder(gpu.func(Kernel::ResolveTokens));
+    launch.arg(ids).arg(src).arg(sampled).arg(&n_i).arg(&s_i);
+    // SAFETY: argument types match `resolve_tokens` in elementwise.cu; the kernel touches
+    // ids[0..n] and src[0..n] (both at least n long) and reads sampled only below its length.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

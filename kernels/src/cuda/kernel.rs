@@ -42,6 +42,7 @@ kernels! {
     Rope => "rope",
     SiluMul => "silu_mul",
     WriteKv => "write_kv",
+    ResolveTokens => "resolve_tokens",
     PrefillAttentionHd64 => "prefill_attention_hd64",
     PrefillAttentionHd128 => "prefill_attention_hd128",
     DecodeAttentionHd64 => "decode_attention_hd64",

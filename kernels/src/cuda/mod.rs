@@ -30,6 +30,7 @@ mod gpu;
 mod graph;
 mod kernel;
 mod sampling;
+mod staging;
 
 pub use attention::{
     DECODE_MIN_SPLIT, decode_attention_split, decode_split_keys,
@@ -39,7 +40,7 @@ pub use compile::{cache_dir, compile, compile_source, nvrtc_version};
 pub use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits,
 };
-pub use elementwise::{embedding, rms_norm, rope, silu_mul, write_kv};
+pub use elementwise::{embedding, resolve_tokens, rms_norm, rope, silu_mul, write_kv};
 pub use error::{GpuError, Result};
 pub use gemm::{GemmOut, gemm};
 pub use gemm_lt::{GemmPlans, GemmShape, LtAlgo, LtGemm, TuneOut};
@@ -47,3 +48,4 @@ pub use gpu::Gpu;
 pub use graph::{Graph, capture};
 pub use half::bf16;
 pub use sampling::{SampleParams, sample};
+pub use staging::{StagedCopy, Staging};
