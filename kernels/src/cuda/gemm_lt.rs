@@ -327,7 +327,7 @@ impl GemmPlans {
     }
 
     /// Plans `shape`: the cached choice if there is one, else the fastest of cuBLAS and up to
-    /// 8 cuBLASLt candidates (median of 7 timed runs each, outputs written to `out`), which
+    /// [`TUNE_CANDIDATES`] cuBLASLt candidates (median of 7 timed runs each, outputs written to `out`), which
     /// [`Self::save`] then writes to the cache. `x` and `w` must hold `m*k` and `n*k` elements; their values do not matter.
     /// Returns whether cuBLASLt was chosen.
     pub fn tune(&mut self, gpu: &Gpu, shape: GemmShape, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, out: TuneOut<'_>) -> Result<bool> {
