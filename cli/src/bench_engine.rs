@@ -210,7 +210,7 @@ fn decode_breakdown(gpu: &Gpu, cfg: &ModelConfig, batch: usize, context: usize) 
     let start_pos = gpu.upload(&vec![context as i32 - 1; batch])?;
     let tables = gpu.upload(&(0..num_blocks as i32).collect::<Vec<_>>())?;
     let shape = cuda::AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, block_size, num_blocks, q_row_stride: qkv_w, scale: 1.0 / (hd as f32).sqrt() };
-    let splits: Vec<usize> = (0..5).map(|i| cuda::DECODE_MIN_SPLIT << i).collect();
+    let splits: Vec<usize> = (0..6).map(|i| cuda::DECODE_MIN_SPLIT << i).collect();
     let ws_len = splits.iter().map(|s| batch * nh * context.div_ceil(*s) * (hd + 2)).max().unwrap_or(0);
     let mut ws = gpu.alloc_zeros::<f32>(ws_len.max(cuda::decode_workspace_len(batch, &shape, context)).max(1))?;
     let (cu_q, start_pos, tables) = (cu_q.slice(..), start_pos.slice(..), tables.slice(..));

@@ -874,7 +874,7 @@ fn decode_attention_matches_reference() {
     }
     // Every split length from the shortest to one covering the whole context, and the ends of
     // the block-size range (16-key groups spanning two blocks; one block holding many groups).
-    for split in [64, 128, 512, 1024] {
+    for split in [64, 128, 512, 1024, 2048] {
         for (bs, heads, kv_heads) in [(8, 64, 8), (128, 32, 8), (16, 9, 3)] {
             let case = AttnCase {
                 heads,

@@ -89,16 +89,19 @@ unsafe impl DeviceRepr for AttnParams {}
 
 /// The shortest decode split (keys); every split is a multiple of it (4 warps x 16 keys).
 pub const DECODE_MIN_SPLIT: usize = 64;
-/// The longest decode split the launcher picks.
-const DECODE_MAX_SPLIT: usize = 1024;
+/// The longest decode split the launcher picks. The engine's decode graphs bound the context by
+/// a power of two at least 1024, so a 1k-context batch launches for 2048 keys: with 2048-key
+/// splits that is one split per sequence (no partials, no reduction), where 1024-key splits
+/// launched a second, nearly empty CTA per sequence and head and a reduction over both.
+const DECODE_MAX_SPLIT: usize = 2048;
 /// CTAs a decode launch aims for. Longer splits pay the pipeline's start and the reduction less
-/// often; on an H100 (132 SMs) at 1k context a 1024-key split was fastest from batch 16 up (one
-/// CTA per SM already streams 2 TB/s), and at batch 1 (8 KV heads) 128 keys, 64 CTAs, was
-/// (`tandem bench engine --breakdown-only` times every split).
+/// often; on an H100 (132 SMs) at 1k context a 1024-key split (the whole context) was fastest
+/// from batch 16 up (one CTA per SM already streams 2 TB/s), and at batch 1 (8 KV heads) 128
+/// keys, 64 CTAs, was (`tandem bench engine --breakdown-only` times every split).
 const DECODE_TARGET_CTAS: usize = 64;
 
 /// Keys per split that [`decode_attention`] uses for `num_chunks` sequences with contexts up to
-/// `max_context`: the longest split, up to 1024 keys, whose grid still has about
+/// `max_context`: the longest split, up to `DECODE_MAX_SPLIT` keys, whose grid still has about
 /// `DECODE_TARGET_CTAS` CTAs (fewer partials to combine), never shorter than [`DECODE_MIN_SPLIT`].
 pub fn decode_split_keys(num_chunks: usize, num_kv_heads: usize, max_context: usize) -> usize {
     let mut split = DECODE_MAX_SPLIT;
@@ -130,9 +133,9 @@ fn split_workspace_len(num_chunks: usize, shape: &AttnShape, max_context: usize,
 ///
 /// A bound, not the exact need of one launch: a graph captured for fewer chunks or a shorter
 /// context picks a shorter split and may need more partials per chunk. When
-/// [`decode_split_keys`] stops below 1024 keys, the grid has fewer than `2 * DECODE_TARGET_CTAS`
-/// CTAs (halving once more fell below the target); at 1024 keys it has
-/// `chunks * kv_heads * ceil(context / 1024)`. Each CTA writes `group * (head_dim + 2)` f32.
+/// [`decode_split_keys`] stops below `DECODE_MAX_SPLIT` keys, the grid has fewer than
+/// `2 * DECODE_TARGET_CTAS` CTAs (halving once more fell below the target); at the longest split
+/// it has `chunks * kv_heads * ceil(context / DECODE_MAX_SPLIT)`. Each CTA writes `group * (head_dim + 2)` f32.
 pub fn decode_workspace_len(num_chunks: usize, shape: &AttnShape, max_context: usize) -> usize {
     if max_context <= DECODE_MIN_SPLIT || num_chunks == 0 || shape.num_kv_heads == 0 {
         return 0;
@@ -400,9 +403,11 @@ mod tests {
 
     #[test]
     fn split_keys_fill_the_gpu_within_bounds() {
-        // Batch 1 at 1k context with 8 KV heads: 128 keys; batch 16 and up: one 1024-key split.
+        // Batch 1 at 1k context with 8 KV heads: 128 keys; batch 16 and up: the longest split,
+        // one per sequence also for the 2048-key bound of a 1k-context decode graph.
         assert_eq!(decode_split_keys(1, 8, 1024), 128);
-        assert_eq!(decode_split_keys(16, 8, 1024), 1024);
+        assert_eq!(decode_split_keys(16, 8, 1024), DECODE_MAX_SPLIT);
+        assert_eq!(decode_split_keys(16, 8, 2048), 2048);
         assert_eq!(decode_split_keys(1, 1, 1024), DECODE_MIN_SPLIT);
         for (chunks, kv, ctx) in [(1, 1, 1), (3, 8, 5000), (64, 8, 1024), (1000, 2, 131_072)] {
             let s = decode_split_keys(chunks, kv, ctx);
