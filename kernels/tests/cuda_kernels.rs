@@ -155,6 +155,30 @@ fn resolve_tokens_takes_ids_from_the_sampler() {
     check_resolve_tokens(&g, 2048, 17, 3);
 }
 
+/// Page-locked staging: uploads land, two downloads in flight come back intact, and waiting for
+/// a download whose slot was reused is an error, never the newer data.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn staging_round_trips_and_refuses_overwritten_copies() {
+    let g = gpu();
+    let mut r = rng(9);
+    let mut up = cuda::Staging::<u32>::new(&g, 1000).unwrap();
+    let mut down_stage = cuda::Staging::<u32>::new(&g, 1000).unwrap();
+    let data: Vec<Vec<u32>> = (0..3).map(|_| (0..1000).map(|_| r.random_range(1..u32::MAX)).collect()).collect();
+    let mut bufs: Vec<CudaSlice<u32>> = (0..3).map(|_| g.upload(&vec![0xdead_beef_u32; 1000]).unwrap()).collect();
+    for (d, b) in data.iter().zip(&mut bufs) {
+        up.upload(&g, d, &mut b.slice_mut(..)).unwrap();
+    }
+    let first = down_stage.download(&g, &bufs[0].slice(0..700)).unwrap();
+    let second = down_stage.download(&g, &bufs[1].slice(..)).unwrap();
+    assert_eq!(down_stage.wait(first).unwrap(), &data[0][..700]);
+    assert_eq!(down_stage.wait(second).unwrap(), &data[1][..]);
+    let third = down_stage.download(&g, &bufs[2].slice(..)).unwrap();
+    assert!(matches!(down_stage.wait(first), Err(GpuError::BadShape(_))), "slot of the first copy reused");
+    assert_eq!(down_stage.wait(third).unwrap(), &data[2][..]);
+    assert!(matches!(up.upload(&g, &vec![1u32; 1001], &mut bufs[0].slice_mut(..)), Err(GpuError::BadShape(_))));
+}
+
 /// HF's RMSNorm: `bf16(weight * bf16(x * rsqrt(mean(x²) + eps)))`, in f64 before the roundings.
 fn check_rms_norm(gpu: &Gpu, t: usize, h: usize, with_delta: bool, seed: u64) {
     let mut r = rng(seed);

@@ -22,6 +22,8 @@ struct Slot<T> {
     cap: usize,
     /// Elements the last copy moved.
     len: usize,
+    /// Copies through this slot so far (a [`StagedCopy`] names the one it waits for).
+    uses: u64,
     /// Recorded after the last copy through this slot.
     done: CudaEvent,
     ctx: Arc<CudaContext>,
@@ -52,7 +54,7 @@ impl<T: DeviceRepr> Slot<T> {
         let done = ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
         // SAFETY: a plain page-locked allocation of `bytes`; freed in Drop.
         let ptr = unsafe { result::malloc_host(bytes, 0) }? as *mut T;
-        Ok(Slot { ptr, cap, len: 0, done, ctx })
+        Ok(Slot { ptr, cap, len: 0, uses: 0, done, ctx })
     }
 }
 
@@ -69,9 +71,12 @@ impl<T> std::fmt::Debug for Staging<T> {
     }
 }
 
-/// Which slot a [`Staging::download`] went to, for [`Staging::wait`].
+/// Which slot (and which use of it) a [`Staging::download`] went to, for [`Staging::wait`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StagedCopy(usize);
+pub struct StagedCopy {
+    slot: usize,
+    use_index: u64,
+}
 
 impl<T: DeviceRepr + Copy> Staging<T> {
     /// Allocates both slots.
@@ -93,6 +98,7 @@ impl<T: DeviceRepr + Copy> Staging<T> {
             return Err(GpuError::BadShape(format!("{n} elements exceed the staging capacity of {}", slot.cap)));
         }
         slot.done.synchronize()?;
+        slot.uses += 1;
         Ok((i, slot))
     }
 
@@ -135,13 +141,20 @@ impl<T: DeviceRepr + Copy> Staging<T> {
             unsafe { result::memcpy_dtoh_async(staged, src_ptr, stream.cu_stream()) }?;
         }
         slot.done.record(stream)?;
-        Ok(StagedCopy(i))
+        Ok(StagedCopy { slot: i, use_index: slot.uses })
     }
 
     /// Waits for the download `copy` and returns what it copied. Valid until the slot's next
-    /// use (the second [`Self::download`] or [`Self::upload`] after it).
+    /// use (the second [`Self::download`] or [`Self::upload`] after it); waiting for a copy whose
+    /// slot has been used again since is [`GpuError::BadShape`], not the newer data.
     pub fn wait(&self, copy: StagedCopy) -> Result<&[T]> {
-        let slot = &self.slots[copy.0];
+        let slot = &self.slots[copy.slot];
+        if slot.uses != copy.use_index {
+            return Err(GpuError::BadShape(format!(
+                "staged copy {} of slot {} was overwritten by copy {}",
+                copy.use_index, copy.slot, slot.uses
+            )));
+        }
         slot.done.synchronize()?;
         // SAFETY: the copy into the slot's first `len` elements has finished.
         Ok(unsafe { std::slice::from_raw_parts(slot.ptr, slot.len) })
