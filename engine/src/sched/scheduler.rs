@@ -190,10 +190,19 @@ impl Scheduler {
     }
 
     /// Replaces `seq`'s last token, reported as [`super::PENDING_TOKEN`], with the token the
-    /// step sampled. Ignored for an unknown sequence or one whose last token is known.
+    /// step sampled, and offers the block it completes (if its chunk is scheduled) to the prefix
+    /// cache. Ignored for an unknown sequence or one whose last token is known.
     pub fn resolve_token(&mut self, seq: SeqId, token: u32) {
-        if let Some(last) = self.seqs.get_mut(&seq).and_then(|s| s.tokens.last_mut()).filter(|t| **t == super::PENDING_TOKEN) {
-            *last = token;
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        match s.tokens.last_mut() {
+            Some(last) if *last == super::PENDING_TOKEN => *last = token,
+            _ => return,
+        }
+        if self.cfg.enable_prefix_caching {
+            self.pool
+                .register_computed(&mut s.table, &s.tokens, s.num_computed);
         }
     }
 
