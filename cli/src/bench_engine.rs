@@ -21,7 +21,6 @@ use std::time::Instant;
 
 use anyhow::{Context, bail, ensure};
 use clap::Args;
-use cudarc::driver::sys::CUevent_flags;
 use rand::{Rng, SeedableRng, rngs::SmallRng};
 use tandem_engine::config::ModelConfig;
 use tandem_engine::engine::{EngineConfig, Prompt};
@@ -111,23 +110,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times `f` with CUDA events: `warmup` untimed runs, then the median of `reps` timed ones (ms).
-fn time_events(gpu: &Gpu, warmup: usize, reps: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
-    let ctx = gpu.stream().context().clone();
-    for _ in 0..warmup {
-        f()?;
-    }
-    let mut ms = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        start.record(gpu.stream())?;
-        f()?;
-        stop.record(gpu.stream())?;
-        stop.synchronize()?;
-        ms.push(start.elapsed_ms(&stop)? as f64);
-    }
-    Ok(median(ms))
+/// [`Gpu::time_median_ms`] for closures returning `anyhow::Result`.
+fn time_events(gpu: &Gpu, warmup: usize, reps: usize, f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    gpu.time_median_ms(warmup, reps, f)
 }
 
 fn measure_ceilings(ordinal: usize) -> anyhow::Result<(String, Ceilings)> {
@@ -259,31 +244,16 @@ fn gemm_tuning(gpu: &Gpu, cfg: &ModelConfig, m: usize) -> anyhow::Result<Vec<Str
         let x = random(m * k)?;
         let mut o32 = gpu.alloc_zeros::<f32>(if f32_out { m * n } else { 1 })?;
         let mut o16 = gpu.alloc_zeros::<bf16>(if f32_out { 1 } else { m * n })?;
-        let out = |o32: &mut cuda::CudaSlice<f32>, o16: &mut cuda::CudaSlice<bf16>, algo: Option<&cuda::LtAlgo>| -> anyhow::Result<()> {
-            let mut v32 = o32.slice_mut(..);
-            let mut v16 = o16.slice_mut(..);
-            let dst = if f32_out { GemmOut::F32 { out: &mut v32, accumulate: true } } else { GemmOut::Bf16(&mut v16) };
-            match algo {
-                None => cuda::gemm(gpu, &x.slice(..), &w.slice(..), dst, m, n, k)?,
-                Some(a) => lt.gemm(gpu, &x.slice(..), &w.slice(..), dst, m, n, k, a)?,
-            }
-            Ok(())
-        };
-        let blas = time_events(gpu, 2, 10, || out(&mut o32, &mut o16, None))?;
-        let cands = lt.candidates(m, n, k, f32_out, 16)?;
-        let mut best = (f64::INFINITY, usize::MAX);
-        for (idx, a) in cands.iter().enumerate() {
-            let ms = time_events(gpu, 2, 10, || out(&mut o32, &mut o16, Some(a)))?;
-            if ms < best.0 {
-                best = (ms, idx);
-            }
-        }
+        let out = if f32_out { cuda::TuneOut::F32(o32.slice_mut(..)) } else { cuda::TuneOut::Bf16(o16.slice_mut(..)) };
+        let t = lt.time_candidates(gpu, cuda::GemmShape { m, n, k, f32_out }, &x.slice(..), &w.slice(..), out)?;
+        let (best_idx, best) = t.candidates.iter().enumerate().map(|(idx, c)| (idx, c.1)).min_by(|a, b| a.1.total_cmp(&b.1)).unwrap_or((usize::MAX, f64::INFINITY));
+        let blas = t.blas_ms;
         total_blas += blas * layers;
-        total_best += best.0.min(blas) * layers;
+        total_best += best.min(blas) * layers;
         let bytes = (n * k * 2) as f64;
         lines.push(format!(
-            "    m={m} {name} ({n}x{k}): cuBLAS {:.1} us ({:.2} TB/s, {:.0} TFLOP/s), best of {} cuBLASLt {:.1} us (#{})",
-            blas * 1e3, bytes / (blas * 1e-3) / 1e12, 2.0 * (m * n * k) as f64 / (blas * 1e-3) / 1e12, cands.len(), best.0 * 1e3, best.1
+            "    m={m} {name} ({n}x{k}): cuBLAS {:.1} us ({:.2} TB/s, {:.0} TFLOP/s), best of {} cuBLASLt {:.1} us (#{best_idx})",
+            blas * 1e3, bytes / (blas * 1e-3) / 1e12, 2.0 * (m * n * k) as f64 / (blas * 1e-3) / 1e12, t.candidates.len(), best * 1e3
         ));
     }
     lines.push(format!("    m={m}: all GEMMs of a step {total_blas:.2} ms with cuBLAS, {total_best:.2} ms with the best of each"));

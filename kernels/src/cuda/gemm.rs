@@ -10,7 +10,7 @@
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::bf16;
 
 use super::error::{Result, need_len, to_i32};
@@ -31,15 +31,43 @@ pub enum GemmOut<'a> {
     },
 }
 
-/// Where `out` points, whether it is f32, the beta it asks for (1 to accumulate) and the guard
-/// that keeps the pointer valid; checks it holds `m*n` elements.
-pub(super) fn out_target<'a: 's, 's>(
-    out: GemmOut<'a>,
+/// A GEMM's checked operands: device pointers (A = `w`, B = `x`, C = `out`), the sizes as the
+/// libraries take them, the output type and beta (1 to accumulate), and the guards that keep
+/// the pointers valid while the call is enqueued.
+pub(super) struct Operands<'s> {
+    pub(super) a: CUdeviceptr,
+    pub(super) b: CUdeviceptr,
+    pub(super) c: CUdeviceptr,
+    pub(super) mnk: (i32, i32, i32),
+    pub(super) f32_out: bool,
+    pub(super) beta: f32,
+    _guards: [SyncOnDrop<'s>; 3],
+}
+
+/// Checks the buffers of `out[m, n] (+)= x[m, k] · w[n, k]ᵀ` (at least `m*k`, `n*k` and `m*n`
+/// elements, sizes within `i32`) and takes their pointers on `gpu`'s stream, bound to this
+/// thread; `None` when there is nothing to compute (`m == 0` or `n == 0`). Shared by the cuBLAS
+/// and cuBLASLt paths.
+pub(super) fn operands<'s, 'o: 's>(
+    gpu: &'s Gpu,
+    x: &'s CudaView<'_, bf16>,
+    w: &'s CudaView<'_, bf16>,
+    out: GemmOut<'o>,
     m: usize,
     n: usize,
-    s: &'s CudaStream,
-) -> Result<(CUdeviceptr, bool, f32, SyncOnDrop<'s>)> {
-    Ok(match out {
+    k: usize,
+) -> Result<Option<Operands<'s>>> {
+    need_len("x", x.len(), m * k)?;
+    need_len("w", w.len(), n * k)?;
+    let mnk = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
+    if m == 0 || n == 0 {
+        return Ok(None);
+    }
+    let s = gpu.stream();
+    gpu.bind()?;
+    let (a, ga) = w.device_ptr(s);
+    let (b, gb) = x.device_ptr(s);
+    let (c, f32_out, beta, gc) = match out {
         GemmOut::Bf16(o) => {
             need_len("out", o.len(), m * n)?;
             let (p, g) = o.device_ptr_mut(s);
@@ -50,7 +78,8 @@ pub(super) fn out_target<'a: 's, 's>(
             let (p, g) = o.device_ptr_mut(s);
             (p, true, if accumulate { 1.0 } else { 0.0 }, g)
         }
-    })
+    };
+    Ok(Some(Operands { a, b, c, mnk, f32_out, beta, _guards: [ga, gb, gc] }))
 }
 
 /// `out[m, n] (+)= x[m, k] · w[n, k]ᵀ`, row-major; `w` in the HF `[out, in]` layout. Buffers must
@@ -64,19 +93,10 @@ pub fn gemm(
     n: usize,
     k: usize,
 ) -> Result<()> {
-    need_len("x", x.len(), m * k)?;
-    need_len("w", w.len(), n * k)?;
-    let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    let s = gpu.stream();
-    gpu.bind()?;
-    let (a_ptr, _ga) = w.device_ptr(s);
-    let (b_ptr, _gb) = x.device_ptr(s);
+    let Some(op) = operands(gpu, x, w, out, m, n, k)? else { return Ok(()) };
+    let (mi, ni, ki) = op.mnk;
     let one = 1.0f32;
-    let (c_ptr, f32_out, beta, _gc) = out_target(out, m, n, s)?;
-    let c_type = if f32_out { cudaDataType::CUDA_R_32F } else { cudaDataType::CUDA_R_16BF };
+    let c_type = if op.f32_out { cudaDataType::CUDA_R_32F } else { cudaDataType::CUDA_R_16BF };
     // SAFETY: the handle is live and bound to this stream; A (w) holds n*k, B (x) m*k and C m*n
     // elements of the stated types (checked above); alpha/beta are host f32 (pointer mode host)
     // as CUBLAS_COMPUTE_32F requires; all pointers stay valid until the call returns (it only
@@ -90,14 +110,14 @@ pub fn gemm(
             mi,
             ki,
             (&one as *const f32).cast(),
-            a_ptr as *const std::ffi::c_void,
+            op.a as *const std::ffi::c_void,
             cudaDataType::CUDA_R_16BF,
             ki,
-            b_ptr as *const std::ffi::c_void,
+            op.b as *const std::ffi::c_void,
             cudaDataType::CUDA_R_16BF,
             ki,
-            (&beta as *const f32).cast(),
-            c_ptr as *mut std::ffi::c_void,
+            (&op.beta as *const f32).cast(),
+            op.c as *mut std::ffi::c_void,
             c_type,
             ni,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,

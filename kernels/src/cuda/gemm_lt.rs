@@ -13,11 +13,10 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublaslt::{result as lt, sys};
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
 use half::bf16;
 
-use super::error::{GpuError, Result, need_len, to_i32};
+use super::error::{GpuError, Result, to_i32};
 use super::gemm::GemmOut;
 use super::gpu::Gpu;
 
@@ -62,7 +61,9 @@ pub struct LtAlgo {
 }
 
 /// The descriptors of one GEMM shape, destroyed on drop.
+#[derive(Debug)]
 struct Desc {
+    shape: GemmShape,
     matmul: sys::cublasLtMatmulDesc_t,
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
@@ -84,8 +85,13 @@ impl Drop for Desc {
     }
 }
 
+// SAFETY: the descriptors are host-side objects owned by this value; cuBLASLt only reads them
+// in calls made through `&self` of the one `LtGemm`/`GemmPlans` that holds the engine.
+unsafe impl Send for Desc {}
+
 impl Desc {
-    fn new(m: usize, n: usize, k: usize, out_f32: bool) -> Result<Desc> {
+    fn new(shape: GemmShape) -> Result<Desc> {
+        let GemmShape { m, n, k, f32_out: out_f32 } = shape;
         let (mi, ni, ki) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
         let matmul = lt::create_matmul_desc(
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -93,6 +99,7 @@ impl Desc {
         )
         .map_err(blas_err)?;
         let mut desc = Desc {
+            shape,
             matmul,
             a: std::ptr::null_mut(),
             b: std::ptr::null_mut(),
@@ -150,7 +157,7 @@ impl LtGemm {
         if m == 0 || n == 0 || k == 0 || max == 0 {
             return Ok(Vec::new());
         }
-        let desc = Desc::new(m, n, k, out_f32)?;
+        let desc = Desc::new(GemmShape { m, n, k, f32_out: out_f32 })?;
         let pref = lt::create_matmul_pref().map_err(blas_err)?;
         let ws = LT_WORKSPACE_BYTES;
         // SAFETY: the preference is live; the attribute is a u64 read from a live local.
@@ -209,18 +216,19 @@ impl LtGemm {
         k: usize,
         algo: &LtAlgo,
     ) -> Result<()> {
-        need_len("x", x.len(), m * k)?;
-        need_len("w", w.len(), n * k)?;
-        if m == 0 || n == 0 {
-            return Ok(());
+        let f32_out = matches!(out, GemmOut::F32 { .. });
+        self.matmul(gpu, &Desc::new(GemmShape { m, n, k, f32_out })?, x, w, out, algo)
+    }
+
+    /// [`Self::gemm`] with the shape's descriptors made beforehand (they must describe `out`'s
+    /// type and the operands' shape).
+    fn matmul(&self, gpu: &Gpu, desc: &Desc, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, out: GemmOut<'_>, algo: &LtAlgo) -> Result<()> {
+        let GemmShape { m, n, k, f32_out } = desc.shape;
+        if matches!(out, GemmOut::F32 { .. }) != f32_out {
+            return Err(GpuError::BadShape("the GEMM output type differs from its plan's".into()));
         }
-        let s = gpu.stream();
-        gpu.bind()?;
-        let (a_ptr, _ga) = w.device_ptr(s);
-        let (b_ptr, _gb) = x.device_ptr(s);
+        let Some(op) = super::gemm::operands(gpu, x, w, out, m, n, k)? else { return Ok(()) };
         let one = 1.0f32;
-        let (c_ptr, out_f32, beta, _gc) = super::gemm::out_target(out, m, n, s)?;
-        let desc = Desc::new(m, n, k, out_f32)?;
         let (ws_ptr, _gw) = self.workspace.device_ptr(&self.stream);
         // SAFETY: the descriptors describe the checked buffer sizes and types; alpha/beta are
         // host f32 (the default pointer mode) for the f32 scale type; the algorithm came from the
@@ -231,24 +239,57 @@ impl LtGemm {
                 self.handle,
                 desc.matmul,
                 (&one as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                a_ptr as *const c_void,
+                (&op.beta as *const f32).cast(),
+                op.a as *const c_void,
                 desc.a,
-                b_ptr as *const c_void,
+                op.b as *const c_void,
                 desc.b,
-                c_ptr as *const c_void,
+                op.c as *const c_void,
                 desc.c,
-                c_ptr as *mut c_void,
+                op.c as *mut c_void,
                 desc.c,
                 &algo.algo,
                 ws_ptr as *mut c_void,
                 LT_WORKSPACE_BYTES,
-                s.cu_stream() as sys::cudaStream_t,
+                gpu.stream().cu_stream() as sys::cudaStream_t,
             )
         }
         .map_err(blas_err)?;
         Ok(())
     }
+
+    /// Times `shape` through cuBLAS and through each of up to [`TUNE_CANDIDATES`] cuBLASLt
+    /// heuristic candidates (median of 7 timed runs after 2 untimed ones, outputs written to
+    /// `out`; `x` and `w` must hold `m*k` and `n*k` elements, their values do not matter).
+    pub fn time_candidates(&self, gpu: &Gpu, shape: GemmShape, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, mut out: TuneOut<'_>) -> Result<ShapeTimes> {
+        let GemmShape { m, n, k, f32_out } = shape;
+        let candidates = self.candidates(m, n, k, f32_out, TUNE_CANDIDATES)?;
+        let mut run = |algo: Option<&LtAlgo>| -> Result<()> {
+            let dst = match &mut out {
+                TuneOut::F32(o) => GemmOut::F32 { out: &mut o.slice_mut(..), accumulate: true },
+                TuneOut::Bf16(o) => GemmOut::Bf16(&mut o.slice_mut(..)),
+            };
+            match algo {
+                None => super::gemm(gpu, x, w, dst, m, n, k),
+                Some(a) => self.gemm(gpu, x, w, dst, m, n, k, a),
+            }
+        };
+        let blas_ms = gpu.time_median_ms(2, 7, || run(None))?;
+        let mut candidates_ms = Vec::with_capacity(candidates.len());
+        for a in &candidates {
+            candidates_ms.push(gpu.time_median_ms(2, 7, || run(Some(a)))?);
+        }
+        Ok(ShapeTimes { blas_ms, candidates: candidates.into_iter().zip(candidates_ms).collect() })
+    }
+}
+
+/// One shape timed by [`LtGemm::time_candidates`] (ms).
+#[derive(Clone, Debug)]
+pub struct ShapeTimes {
+    /// cublasGemmEx.
+    pub blas_ms: f64,
+    /// Each cuBLASLt candidate, in the heuristic's order.
+    pub candidates: Vec<(LtAlgo, f64)>,
 }
 
 /// One GEMM shape: `out[m, n] (+)= x[m, k] · w[n, k]ᵀ` with an f32 or a bf16 `out`.
@@ -299,7 +340,8 @@ const TUNE_MIN_GAIN: f64 = 0.03;
 #[derive(Debug)]
 pub struct GemmPlans {
     lt: LtGemm,
-    plans: std::collections::HashMap<GemmShape, (Choice, Option<LtAlgo>)>,
+    /// Tuned shapes: the cuBLASLt algorithm and descriptors, or `None` for cuBLAS.
+    plans: std::collections::HashMap<GemmShape, Option<(LtAlgo, Desc)>>,
     cache_file: Option<std::path::PathBuf>,
     cached: std::collections::HashMap<GemmShape, Choice>,
     /// `cached` holds choices the file does not.
@@ -326,51 +368,38 @@ impl GemmPlans {
         Ok(GemmPlans { lt, plans: Default::default(), cache_file, cached, unsaved: false })
     }
 
-    /// Plans `shape`: the cached choice if there is one, else the fastest of cuBLAS and up to
-    /// [`TUNE_CANDIDATES`] cuBLASLt candidates (median of 7 timed runs each, outputs written to `out`), which
-    /// [`Self::save`] then writes to the cache. `x` and `w` must hold `m*k` and `n*k` elements; their values do not matter.
-    /// Returns whether cuBLASLt was chosen.
+    /// Plans `shape`: the cached choice if there is one, else the fastest of cuBLAS and the
+    /// cuBLASLt candidates ([`LtGemm::time_candidates`], outputs written to `out`), which
+    /// [`Self::save`] then writes to the cache. Returns whether cuBLASLt was chosen.
     pub fn tune(&mut self, gpu: &Gpu, shape: GemmShape, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, out: TuneOut<'_>) -> Result<bool> {
-        if let Some((choice, _)) = self.plans.get(&shape) {
-            return Ok(*choice != Choice::Blas);
+        if let Some(plan) = self.plans.get(&shape) {
+            return Ok(plan.is_some());
         }
         let GemmShape { m, n, k, f32_out } = shape;
-        let candidates = self.lt.candidates(m, n, k, f32_out, TUNE_CANDIDATES)?;
-        let choice = match self.cached.get(&shape) {
-            Some(&c) => c,
+        let algo = match self.cached.get(&shape) {
+            // A cached index the heuristic no longer offers falls back to cuBLAS.
+            Some(&Choice::Lt(i)) => self.lt.candidates(m, n, k, f32_out, TUNE_CANDIDATES)?.get(i).copied(),
+            Some(&Choice::Blas) => None,
             None => {
-                let mut out = out;
-                let mut run = |algo: Option<&LtAlgo>| -> Result<()> {
-                    let dst = match &mut out {
-                        TuneOut::F32(o) => GemmOut::F32 { out: &mut o.slice_mut(..), accumulate: true },
-                        TuneOut::Bf16(o) => GemmOut::Bf16(&mut o.slice_mut(..)),
-                    };
-                    match algo {
-                        None => super::gemm(gpu, x, w, dst, m, n, k),
-                        Some(a) => self.lt.gemm(gpu, x, w, dst, m, n, k, a),
-                    }
-                };
-                let blas = time_median(gpu, &mut || run(None))?;
-                let mut best = (blas * (1.0 - TUNE_MIN_GAIN), Choice::Blas);
-                for (i, a) in candidates.iter().enumerate() {
-                    let ms = time_median(gpu, &mut || run(Some(a)))?;
+                let times = self.lt.time_candidates(gpu, shape, x, w, out)?;
+                let mut best = (times.blas_ms * (1.0 - TUNE_MIN_GAIN), None);
+                for (i, &(a, ms)) in times.candidates.iter().enumerate() {
                     if ms < best.0 {
-                        best = (ms, Choice::Lt(i));
+                        best = (ms, Some((i, a)));
                     }
                 }
-                self.cached.insert(shape, best.1);
+                self.cached.insert(shape, best.1.map_or(Choice::Blas, |(i, _)| Choice::Lt(i)));
                 self.unsaved = true;
-                best.1
+                best.1.map(|(_, a)| a)
             }
         };
-        let algo = match choice {
-            Choice::Lt(i) => candidates.get(i).copied(),
-            Choice::Blas => None,
+        let plan = match algo {
+            Some(a) => Some((a, Desc::new(shape)?)),
+            None => None,
         };
-        // A cached index the heuristic no longer offers falls back to cuBLAS.
-        let choice = if algo.is_some() { choice } else { Choice::Blas };
-        self.plans.insert(shape, (choice, algo));
-        Ok(algo.is_some())
+        let chosen = plan.is_some();
+        self.plans.insert(shape, plan);
+        Ok(chosen)
     }
 
     /// `out[m, n] (+)= x[m, k] · w[n, k]ᵀ` with the shape's plan (cuBLAS if it has none).
@@ -379,14 +408,14 @@ impl GemmPlans {
     pub fn gemm(&self, gpu: &Gpu, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, out: GemmOut<'_>, m: usize, n: usize, k: usize) -> Result<()> {
         let f32_out = matches!(out, GemmOut::F32 { .. });
         match self.plans.get(&GemmShape { m, n, k, f32_out }) {
-            Some((_, Some(algo))) => self.lt.gemm(gpu, x, w, out, m, n, k, algo),
+            Some(Some((algo, desc))) => self.lt.matmul(gpu, desc, x, w, out, algo),
             _ => super::gemm(gpu, x, w, out, m, n, k),
         }
     }
 
     /// Shapes planned so far, and how many of them run cuBLASLt.
     pub fn counts(&self) -> (usize, usize) {
-        (self.plans.len(), self.plans.values().filter(|p| p.1.is_some()).count())
+        (self.plans.len(), self.plans.values().filter(|p| p.is_some()).count())
     }
 
     /// Writes the shapes tuned since the last save to the disk cache, once after a batch of
@@ -430,28 +459,6 @@ fn parse_cache(text: &str) -> std::collections::HashMap<GemmShape, Choice> {
             Some((shape, choice))
         })
         .collect()
-}
-
-/// Median of 7 timed runs of `f` after 2 untimed ones (ms, CUDA events on the GPU's stream).
-fn time_median(gpu: &Gpu, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-    let s = gpu.stream();
-    let ctx = s.context();
-    for _ in 0..2 {
-        f()?;
-    }
-    let mut ms = Vec::with_capacity(7);
-    for _ in 0..7 {
-        // Timing events (cudarc's default flags disable timing).
-        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        start.record(s)?;
-        f()?;
-        stop.record(s)?;
-        stop.synchronize()?;
-        ms.push(f64::from(start.elapsed_ms(&stop)?));
-    }
-    ms.sort_by(f64::total_cmp);
-    Ok(ms[ms.len() / 2])
 }
 
 #[cfg(test)]

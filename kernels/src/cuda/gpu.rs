@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
     CudaContext, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr,
     ValidAsZeroBits,
@@ -178,6 +179,33 @@ impl Gpu {
         }
         self.stream.synchronize()?;
         Ok(host)
+    }
+
+    /// The median time (ms) of `reps` runs of `f` after `warmup` untimed ones, each timed with
+    /// CUDA events around what `f` enqueues on [`Gpu::stream`].
+    pub fn time_median_ms<E: From<GpuError>>(
+        &self,
+        warmup: usize,
+        reps: usize,
+        mut f: impl FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<f64, E> {
+        let ctx = self.stream.context();
+        for _ in 0..warmup {
+            f()?;
+        }
+        let mut ms = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            // Timing events: cudarc's default flags disable timing.
+            let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(GpuError::from)?;
+            let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(GpuError::from)?;
+            start.record(&self.stream).map_err(GpuError::from)?;
+            f()?;
+            stop.record(&self.stream).map_err(GpuError::from)?;
+            stop.synchronize().map_err(GpuError::from)?;
+            ms.push(f64::from(start.elapsed_ms(&stop).map_err(GpuError::from)?));
+        }
+        ms.sort_by(f64::total_cmp);
+        Ok(ms.get(ms.len() / 2).copied().unwrap_or(0.0))
     }
 
     /// Blocks until everything enqueued on [`Gpu::stream`] has finished.

@@ -43,7 +43,7 @@ pub use cudarc::driver::{
 pub use elementwise::{embedding, resolve_tokens, rms_norm, rope, silu_mul, write_kv};
 pub use error::{GpuError, Result};
 pub use gemm::{GemmOut, gemm};
-pub use gemm_lt::{GemmPlans, GemmShape, LtAlgo, LtGemm, TuneOut};
+pub use gemm_lt::{GemmPlans, GemmShape, LtAlgo, LtGemm, ShapeTimes, TuneOut};
 pub use gpu::Gpu;
 pub use graph::{Graph, capture};
 pub use half::bf16;
