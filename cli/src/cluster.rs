@@ -15,7 +15,7 @@ use clap::Args;
 use tandem_decode_node::{DecodeNode, DecodeOptions};
 use tandem_kv_transfer::{ConnectorConfig, ConnectorSpec, Fabric};
 use tandem_membership::{Load, Membership, NodeInfo, NodeRole, Registration};
-use tandem_node::{NodeCore, NodeSetup};
+use tandem_node::{NodeCore, NodeSetup, Peers};
 use tandem_prefill_node::PrefillNode;
 use tandem_proto::v1 as api;
 use tandem_proto::v1::tandem_client::TandemClient;
@@ -329,7 +329,8 @@ pub(crate) fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let membership = args.node.etcd.connect().await?;
         let listener = bind(args.node.listen).await?;
-        let node = PrefillNode::start(setup, &Fabric::new()).await?;
+        let peers = Peers::new(membership.watch().await.context("watching membership")?, setup.model_name.clone());
+        let node = PrefillNode::start(setup, &Fabric::new(), peers).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("prefill", &listener));
         serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), true, stop_signal()).await
     })
@@ -341,7 +342,8 @@ pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let membership = args.node.etcd.connect().await?;
         let listener = bind(args.node.listen).await?;
-        let node = DecodeNode::start(setup, opts, &Fabric::new()).await?;
+        let peers = Peers::new(membership.watch().await.context("watching membership")?, setup.model_name.clone());
+        let node = DecodeNode::start(setup, opts, &Fabric::new(), peers).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("decode", &listener));
         serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), true, stop_signal()).await
     })
@@ -383,9 +385,10 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         // in use already, so the prefill engine (loaded first) takes half and the decode engine the rest.
         let mut prefill_setup = setup.clone();
         prefill_setup.engine.gpu_memory_utilization /= 2.0;
-        let prefill = PrefillNode::start(prefill_setup, &fabric).await?;
+        let peers = Peers::new(membership.watch().await?, setup.model_name.clone());
+        let prefill = PrefillNode::start(prefill_setup, &fabric, peers.clone()).await?;
         let opts = DecodeOptions { local_prefill_below: args.local_prefill_below, ..DecodeOptions::default() };
-        let decode = DecodeNode::start(setup, opts, &fabric).await?;
+        let decode = DecodeNode::start(setup, opts, &fabric, peers).await?;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;

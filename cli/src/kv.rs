@@ -140,9 +140,9 @@ fn filled(geometry: &Geometry, blocks: u32) -> anyhow::Result<Arc<KvMemory>> {
 /// One transfer of `blocks` blocks; returns the time from `send` to the receiver's verified completion.
 async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32) -> anyhow::Result<Duration> {
     let ids: Vec<u32> = (0..blocks).collect();
-    let mut recv = rx.expect(ids.clone(), None)?;
+    let mut recv = rx.expect(ids.clone(), 0, None)?;
     let t = Instant::now();
-    let mut send = tx.send(recv.descriptor(), ids, None)?;
+    let mut send = tx.send(recv.descriptor(), ids, 0, None)?;
     send.push_all();
     recv.wait().await?;
     let elapsed = t.elapsed();

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::sched::{RequestId, Role};
 use tandem_engine::sampling::SamplingParams;
 use tandem_kv_transfer::{Fabric, RecvHandle};
-use tandem_node::{Event, NodeCore, NodeError, NodeSetup, convert};
+use tandem_node::{Event, NodeCore, NodeError, NodeSetup, Peers, convert};
 use tandem_proto::node::v1 as node;
 use tandem_proto::node::v1::decode_server::{Decode, DecodeServer};
 use tandem_proto::node::v1::prefill_client::PrefillClient;
@@ -47,6 +47,7 @@ impl Default for DecodeOptions {
 pub struct DecodeNode {
     core: Arc<NodeCore>,
     opts: DecodeOptions,
+    peers: Peers,
     prefill_clients: Arc<Mutex<HashMap<String, PrefillClient<Channel>>>>,
 }
 
@@ -60,10 +61,11 @@ struct State {
 }
 
 impl DecodeNode {
-    /// Loads the model and starts the engine and the KV connector.
-    pub async fn start(setup: NodeSetup, opts: DecodeOptions, fabric: &Fabric) -> Result<DecodeNode, NodeError> {
+    /// Loads the model and starts the engine and the KV connector. Prompts are sent only to prefill
+    /// nodes that `peers` lists (a caller's `prefill_addr` is a choice among them, not an address to call).
+    pub async fn start(setup: NodeSetup, opts: DecodeOptions, fabric: &Fabric, peers: Peers) -> Result<DecodeNode, NodeError> {
         let core = Arc::new(NodeCore::start(setup, Role::Decode, fabric).await?);
-        Ok(DecodeNode { core, opts, prefill_clients: Arc::default() })
+        Ok(DecodeNode { core, opts, peers, prefill_clients: Arc::default() })
     }
 
     /// The shared node parts.
@@ -95,8 +97,13 @@ impl DecodeNode {
         let prompt = req.prompt.clone();
         let cached = self.core.engine.cached_prefix_len(prompt.clone()).await?;
         let uncached = prompt.len() - cached.min(prompt.len());
-        let remote = !req.prefill_addr.is_empty() && uncached >= self.opts.local_prefill_below;
+        let mut remote = !req.prefill_addr.is_empty() && uncached >= self.opts.local_prefill_below;
         let mut timings = format!("cached={cached}");
+        if remote && !self.peers.is_prefill_node(&req.prefill_addr).await {
+            tracing::warn!(prefill_addr = %convert::printable(&req.prefill_addr), "not a prefill node of this cluster; prefilling locally");
+            timings.push_str(" remote_prefill=unlisted");
+            remote = false;
+        }
         let events = if remote {
             match self.remote_prefill(req, params.clone(), state).await {
                 Ok((events, note)) => {
@@ -174,7 +181,8 @@ impl DecodeNode {
         state.engine_id = Some(id);
         let skip = alloc.num_cached_tokens / self.core.block_size;
         let dst: Vec<u32> = alloc.block_table[skip..].iter().map(|b| b.0).collect();
-        let recv = self.core.connector.expect(dst, Some(self.opts.remote_prefill_timeout))?;
+        let binding = tandem_node::kv::kv_binding(&req.prompt, skip, self.core.block_size);
+        let recv = self.core.connector.expect(dst, binding, Some(self.opts.remote_prefill_timeout))?;
         let descriptor = convert::descriptor_to_proto(recv.descriptor());
         state.recv = Some(recv);
         let mut client = self.prefill_client(&req.prefill_addr)?;
@@ -195,7 +203,13 @@ impl DecodeNode {
         let (mut answer, mut landed) = (None, None);
         while answer.is_none() || landed.is_none() {
             tokio::select! {
-                a = &mut prefill, if answer.is_none() => answer = Some(a?.into_inner()),
+                a = &mut prefill, if answer.is_none() => {
+                    let a = a?.into_inner();
+                    // The answer comes from another process: check it before the engine sees it (and
+                    // before waiting for the KV), so a bad answer fails and falls back for this request only.
+                    check_answer(&a, &params, self.core.vocab_size)?;
+                    answer = Some(a);
+                }
                 l = recv.wait(), if landed.is_none() => landed = Some(l?),
             }
         }
@@ -232,6 +246,34 @@ impl DecodeNode {
         self.cleanup(&mut state).await;
         if let Err(e) = result {
             let _ = tx.send(Err(Status::from(e))).await;
+        }
+    }
+}
+
+/// Validates a prefill node's answer: the first token inside the vocabulary, and logprobs (when asked
+/// for) that describe that token with finite, non-positive values and no more alternatives than asked.
+fn check_answer(answer: &node::PrefillResponse, params: &SamplingParams, vocab_size: usize) -> Result<(), NodeError> {
+    let bad = |why: String| Err(NodeError::Internal(format!("the prefill node's answer is invalid: {why}")));
+    let in_vocab = |t: u32| (t as usize) < vocab_size;
+    let fine = |lp: f32| lp.is_finite() && lp <= 1e-3;
+    if !in_vocab(answer.first_token) {
+        return bad(format!("first token {} is outside the vocabulary of {vocab_size}", answer.first_token));
+    }
+    match (&answer.logprob, params.logprobs) {
+        (None, None) => Ok(()),
+        (None, Some(_)) => bad("logprobs were asked for but not sent".into()),
+        (Some(_), None) => bad("logprobs were sent but not asked for".into()),
+        (Some(lp), Some(n)) => {
+            if lp.token_id != answer.first_token || !fine(lp.logprob) {
+                return bad(format!("the first token's logprob ({}, {}) does not describe it", lp.token_id, lp.logprob));
+            }
+            if lp.top.len() > n {
+                return bad(format!("{} top logprobs for {n} asked", lp.top.len()));
+            }
+            match lp.top.iter().find(|t| !in_vocab(t.token_id) || !fine(t.logprob)) {
+                Some(t) => bad(format!("top logprob ({}, {}) is outside the vocabulary or not a log-probability", t.token_id, t.logprob)),
+                None => Ok(()),
+            }
         }
     }
 }

@@ -502,9 +502,20 @@ impl Engine {
     /// [`Engine::kv_ready`] with the first token's logprobs as the prefill node computed them
     /// (reported when the request asked for logprobs).
     pub fn kv_ready_with_logprob(&mut self, id: RequestId, first_token: u32, logprob: Option<TokenLogprob>) -> Result<Vec<SeqOutput>> {
+        let vocab = self.backend.config().vocab_size;
         let Some(req) = self.requests.get_mut(&id) else { return Err(Error::UnknownRequest(id.0)) };
         if req.params.n != 1 {
             return Err(Error::InvalidSampling("remote prefill serves n = 1 only".into()));
+        }
+        // The token comes from another node: refuse it here rather than fail a later step (and with it
+        // every request batched beside this one).
+        if first_token as usize >= vocab {
+            return Err(Error::Tokenizer(format!("first token {first_token} is outside the vocabulary of {vocab}")));
+        }
+        if let Some(lp) = &logprob
+            && (lp.token != first_token || lp.top.iter().any(|&(t, _)| t as usize >= vocab))
+        {
+            return Err(Error::Tokenizer("the first token's logprobs name other or unknown tokens".into()));
         }
         let received = std::mem::take(&mut req.received);
         self.backend.receive_blocks(&received)?;

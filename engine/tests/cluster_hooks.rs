@@ -501,3 +501,31 @@ fn a_prefill_whose_sibling_stops_stays_held_until_released() {
     assert!(!e.has_unfinished());
     assert_pool_free(&e);
 }
+
+/// A first token from another node that lies outside the vocabulary (or logprobs naming other tokens)
+/// is refused at `kv_ready` without touching the request, so it can fail only its own request: the
+/// neighbours batched beside it decode on, and the refused request can still be aborted cleanly.
+#[test]
+fn a_bad_first_token_from_a_peer_is_refused_without_harming_other_requests() {
+    let prompts = [prompt(9, 21), prompt(7, 22)];
+    let want = colocated("gqa-tied", &prompts, 6);
+    let mut decode = engine("gqa-tied", Role::Decode, 64, 64, true);
+    let vocab = decode.model_config().vocab_size as u32;
+    let neighbour = decode.add_request(&Prompt::Tokens(prompts[0].clone()), fixed(6)).unwrap();
+    let (bad, _) = decode.add_remote_request(prompts[1].clone(), fixed(6)).unwrap();
+    let mut got: Vec<u32> = decode.step().unwrap().into_iter().filter(|o| o.request == neighbour).flat_map(|o| o.token_ids).collect();
+    for token in [vocab, u32::MAX] {
+        assert!(matches!(decode.kv_ready(bad, token), Err(tandem_engine::Error::Tokenizer(_))), "token {token} accepted");
+    }
+    let lying = tandem_engine::engine::TokenLogprob { token: 5, logprob: -0.1, top: vec![(vocab + 3, -0.1)] };
+    assert!(decode.kv_ready_with_logprob(bad, 5, Some(lying)).is_err(), "logprobs naming an unknown token accepted");
+    assert!(decode.abort(bad));
+    while decode.has_unfinished() {
+        for o in decode.step().unwrap() {
+            assert_eq!(o.request, neighbour);
+            got.extend(o.token_ids);
+        }
+    }
+    assert_eq!(got, want[0], "the neighbour's output changed");
+    assert_pool_free(&decode);
+}

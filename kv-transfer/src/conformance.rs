@@ -45,6 +45,7 @@ pub const CASES: &[&str] = &[
     "handshake_mismatch_refused",
     "unknown_destination_fails_fast",
     "unknown_transfer_rejected",
+    "other_content_refused",
     "receiver_timeout_frees_blocks",
     "large_transfer_256mib",
 ];
@@ -57,6 +58,9 @@ pub struct Suite {
 }
 
 const WAIT: Duration = Duration::from_secs(20);
+
+/// The content binding the suite's receivers expect and its honest senders state.
+const BINDING: u64 = 0x7461_6e64_656d_0001;
 
 impl Suite {
     /// A suite for `spec` (a TCP spec's fixed port is replaced by port 0: the suite makes many connectors).
@@ -120,6 +124,7 @@ impl Suite {
             "handshake_mismatch_refused" => Box::pin(handshake_mismatch(self)),
             "unknown_destination_fails_fast" => Box::pin(unknown_destination(self)),
             "unknown_transfer_rejected" => Box::pin(unknown_transfer(self)),
+            "other_content_refused" => Box::pin(other_content_refused(self)),
             "receiver_timeout_frees_blocks" => Box::pin(receiver_timeout(self)),
             "large_transfer_256mib" => Box::pin(large_transfer(self)),
             other => return Err(format!("no conformance case named {other:?}")),
@@ -248,8 +253,8 @@ async fn round_trip_bit_exact(suite: &Suite) -> CaseResult {
     let p = pair(suite, 64, 1).await?;
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let (sb, db) = (pick(&mut rng, 64, 40), pick(&mut rng, 64, 40));
-    let mut recv = p.rx.expect(db.clone(), None).map_err(|e| e.to_string())?;
-    let mut send = p.tx.send(recv.descriptor(), sb.clone(), None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(db.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(recv.descriptor(), sb.clone(), BINDING, None).map_err(|e| e.to_string())?;
     send.push_all();
     let stats = within("receive", recv.wait()).await?.map_err(|e| e.to_string())?;
     let sent = within("send", send.wait()).await?.map_err(|e| e.to_string())?;
@@ -271,8 +276,8 @@ async fn round_trip_bit_exact(suite: &Suite) -> CaseResult {
 async fn layers_land_in_order(suite: &Suite) -> CaseResult {
     let p = pair(suite, 32, 2).await?;
     let blocks: Vec<u32> = (0..20).collect();
-    let mut recv = p.rx.expect(blocks.clone(), None).map_err(|e| e.to_string())?;
-    let send = p.tx.send(recv.descriptor(), blocks.clone(), None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(blocks.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let send = p.tx.send(recv.descriptor(), blocks.clone(), BINDING, None).map_err(|e| e.to_string())?;
     // Record every progress value the receiver publishes.
     let mut watch = recv.progress.clone();
     let seen = tokio::spawn(async move {
@@ -316,8 +321,8 @@ async fn concurrent_64(suite: &Suite) -> CaseResult {
     for i in 0..64u32 {
         let db: Vec<u32> = (i * 3..i * 3 + 3).collect();
         let sb = src_order[i as usize * 3..i as usize * 3 + 3].to_vec();
-        let r = p.rx.expect(db.clone(), None).map_err(|e| e.to_string())?;
-        let s = p.tx.send(r.descriptor(), sb.clone(), None).map_err(|e| e.to_string())?;
+        let r = p.rx.expect(db.clone(), BINDING, None).map_err(|e| e.to_string())?;
+        let s = p.tx.send(r.descriptor(), sb.clone(), BINDING, None).map_err(|e| e.to_string())?;
         recvs.push((r, sb, db));
         sends.push(s);
     }
@@ -339,8 +344,8 @@ async fn concurrent_64(suite: &Suite) -> CaseResult {
 
 async fn zero_block_transfer(suite: &Suite) -> CaseResult {
     let p = pair(suite, 4, 4).await?;
-    let mut recv = p.rx.expect(vec![], None).map_err(|e| e.to_string())?;
-    let mut send = p.tx.send(recv.descriptor(), vec![], None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(vec![], BINDING, None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(recv.descriptor(), vec![], BINDING, None).map_err(|e| e.to_string())?;
     let r = within("receive", recv.wait()).await?.map_err(|e| e.to_string())?;
     let s = within("send", send.wait()).await?.map_err(|e| e.to_string())?;
     if r.bytes != 0 || s.bytes != 0 || recv.progress().layers != 4 {
@@ -352,8 +357,8 @@ async fn zero_block_transfer(suite: &Suite) -> CaseResult {
 async fn sender_cancel(suite: &Suite) -> CaseResult {
     let p = pair(suite, 64, 5).await?;
     let blocks: Vec<u32> = (0..48).collect();
-    let mut recv = p.rx.expect(blocks.clone(), None).map_err(|e| e.to_string())?;
-    let send = p.tx.send(recv.descriptor(), blocks, None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(blocks.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let send = p.tx.send(recv.descriptor(), blocks, BINDING, None).map_err(|e| e.to_string())?;
     send.push_layer(0).map_err(|e| e.to_string())?;
     within("layer 0", recv.layer_ready(0)).await?.map_err(|e| e.to_string())?;
     within("cancel", send.cancel()).await?;
@@ -373,8 +378,8 @@ async fn sender_cancel(suite: &Suite) -> CaseResult {
 async fn receiver_cancel(suite: &Suite) -> CaseResult {
     let p = pair(suite, 64, 6).await?;
     let blocks: Vec<u32> = (0..48).collect();
-    let mut recv = p.rx.expect(blocks.clone(), None).map_err(|e| e.to_string())?;
-    let mut send = p.tx.send(recv.descriptor(), blocks, None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(blocks.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(recv.descriptor(), blocks, BINDING, None).map_err(|e| e.to_string())?;
     send.push_layer(0).map_err(|e| e.to_string())?;
     within("layer 0", recv.layer_ready(0)).await?.map_err(|e| e.to_string())?;
     within("cancel", recv.cancel()).await?;
@@ -393,8 +398,8 @@ async fn receiver_cancel(suite: &Suite) -> CaseResult {
 async fn receiver_disappears(suite: &Suite) -> CaseResult {
     let p = pair(suite, 64, 7).await?;
     let blocks: Vec<u32> = (0..32).collect();
-    let mut recv = p.rx.expect(blocks.clone(), None).map_err(|e| e.to_string())?;
-    let mut send = p.tx.send(recv.descriptor(), blocks, None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(blocks.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(recv.descriptor(), blocks, BINDING, None).map_err(|e| e.to_string())?;
     send.push_layer(0).map_err(|e| e.to_string())?;
     within("layer 0", recv.layer_ready(0)).await?.map_err(|e| e.to_string())?;
     let t = Instant::now();
@@ -414,8 +419,8 @@ async fn receiver_disappears(suite: &Suite) -> CaseResult {
 async fn sender_disappears(suite: &Suite) -> CaseResult {
     let p = pair(suite, 64, 8).await?;
     let blocks: Vec<u32> = (0..32).collect();
-    let mut recv = p.rx.expect(blocks.clone(), None).map_err(|e| e.to_string())?;
-    let send = p.tx.send(recv.descriptor(), blocks, None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(blocks.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let send = p.tx.send(recv.descriptor(), blocks, BINDING, None).map_err(|e| e.to_string())?;
     send.push_layer(0).map_err(|e| e.to_string())?;
     within("layer 0", recv.layer_ready(0)).await?.map_err(|e| e.to_string())?;
     let t = Instant::now();
@@ -441,8 +446,8 @@ async fn fault_case(suite: &Suite, fault: Fault) -> CaseResult {
     let rx = suite.connector(Arc::clone(&dst)).await?;
     // 48 blocks of 1 KiB per layer in 64 KiB chunks: one chunk per layer, 4 chunks; the fault hits the second.
     let blocks: Vec<u32> = (0..48).collect();
-    let mut recv = rx.expect(blocks.clone(), None).map_err(|e| e.to_string())?;
-    let mut send = tx.send(recv.descriptor(), blocks, None).map_err(|e| e.to_string())?;
+    let mut recv = rx.expect(blocks.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let mut send = tx.send(recv.descriptor(), blocks, BINDING, None).map_err(|e| e.to_string())?;
     send.push_all();
     let r = within("receiver verdict", recv.wait()).await?;
     expect_err(&format!("receiver under {fault:?}"), r, |e| matches!(e, Error::Integrity { .. } | Error::LinkFailed { .. }))?;
@@ -461,8 +466,8 @@ async fn fault_case(suite: &Suite, fault: Fault) -> CaseResult {
     // The receiver stays usable for clean transfers afterwards.
     let clean = suite.connector(Arc::clone(&src)).await?;
     let b2: Vec<u32> = (48..56).collect();
-    let mut r2 = rx.expect(b2.clone(), None).map_err(|e| e.to_string())?;
-    let s2 = clean.send(r2.descriptor(), b2.clone(), None).map_err(|e| e.to_string())?;
+    let mut r2 = rx.expect(b2.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let s2 = clean.send(r2.descriptor(), b2.clone(), BINDING, None).map_err(|e| e.to_string())?;
     s2.push_all();
     within("clean transfer", r2.wait()).await?.map_err(|e| format!("clean transfer after a fault: {e}"))?;
     same(&src, &b2, &dst, &b2, 4)
@@ -473,16 +478,16 @@ async fn handshake_mismatch(suite: &Suite) -> CaseResult {
     let (src, dst) = (pool(&g16, 8)?, pool(&g8, 8)?);
     let tx = suite.connector(Arc::clone(&src)).await?;
     let rx = suite.connector(Arc::clone(&dst)).await?;
-    let recv = rx.expect(vec![0, 1], None).map_err(|e| e.to_string())?;
+    let recv = rx.expect(vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
     // Local check: the descriptor's geometry differs from the sender's pool.
-    let local = tx.send(recv.descriptor(), vec![0, 1], None);
+    let local = tx.send(recv.descriptor(), vec![0, 1], BINDING, None);
     expect_err("send with a mismatched descriptor", local, |e| {
         matches!(e, Error::Incompatible(m) if m.contains("block_size"))
     })?;
     // Wire check: a descriptor claiming our geometry still meets the receiver's handshake.
     let mut forged = recv.descriptor().clone();
     forged.geometry = g16.clone();
-    let mut send = tx.send(&forged, vec![0, 1], None).map_err(|e| e.to_string())?;
+    let mut send = tx.send(&forged, vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
     send.push_all();
     let r = within("handshake", send.wait()).await?;
     expect_err("handshake with a mismatched peer", r, |e| {
@@ -491,7 +496,7 @@ async fn handshake_mismatch(suite: &Suite) -> CaseResult {
     // A different model is refused too.
     let other = pool(&Geometry::new(GeometrySpec { model_id: "other-model".into(), ..spec_of(&g8) }).expect("valid"), 8)?;
     let tx2 = suite.connector(other).await?;
-    let mut s2 = tx2.send(recv.descriptor(), vec![0, 1], None);
+    let mut s2 = tx2.send(recv.descriptor(), vec![0, 1], BINDING, None);
     if let Ok(s) = &mut s2 {
         s.push_all();
     }
@@ -517,13 +522,13 @@ fn spec_of(g: &Geometry) -> GeometrySpec {
 
 async fn unknown_destination(suite: &Suite) -> CaseResult {
     let p = pair(suite, 8, 12).await?;
-    let recv = p.rx.expect(vec![0, 1], None).map_err(|e| e.to_string())?;
+    let recv = p.rx.expect(vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
     let mut desc = recv.descriptor().clone();
     drop(recv);
     drop(p.rx); // its endpoint now leads nowhere
     desc.id ^= 1;
     let t = Instant::now();
-    let mut send = p.tx.send(&desc, vec![0, 1], None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(&desc, vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
     send.push_all();
     let r = within("send to a dead endpoint", send.wait()).await?;
     expect_err("send to a dead endpoint", r, |e| matches!(e, Error::Unreachable { .. }))?;
@@ -535,11 +540,11 @@ async fn unknown_destination(suite: &Suite) -> CaseResult {
 
 async fn unknown_transfer(suite: &Suite) -> CaseResult {
     let p = pair(suite, 8, 13).await?;
-    let recv = p.rx.expect(vec![0, 1], None).map_err(|e| e.to_string())?;
+    let recv = p.rx.expect(vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
     let mut desc = recv.descriptor().clone();
     desc.id = desc.id.wrapping_add(1_000_000);
     let t = Instant::now();
-    let mut send = p.tx.send(&desc, vec![0, 1], None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(&desc, vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
     send.push_all();
     let r = within("send of an unexpected transfer", send.wait()).await?;
     expect_err("unexpected transfer", r, |e| matches!(e, Error::Rejected { .. }))?;
@@ -549,7 +554,7 @@ async fn unknown_transfer(suite: &Suite) -> CaseResult {
     // Blocks that differ from what the receiver allocated are refused as well.
     let mut wrong = recv.descriptor().clone();
     wrong.dst_blocks = vec![1, 0];
-    let mut send = p.tx.send(&wrong, vec![0, 1], None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(&wrong, vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
     send.push_all();
     let r = within("send to the wrong blocks", send.wait()).await?;
     expect_err("wrong destination blocks", r, |e| matches!(e, Error::Rejected { .. }))?;
@@ -557,11 +562,42 @@ async fn unknown_transfer(suite: &Suite) -> CaseResult {
     released(&[&p.src, &p.dst]).await
 }
 
+/// A sender whose content is bound to something else than the receiver expects (another prompt) is
+/// refused before any block lands: the receiver's blocks keep their old bytes and nothing is reported.
+async fn other_content_refused(suite: &Suite) -> CaseResult {
+    let p = pair(suite, 8, 17).await?;
+    let bb = p.dst.geometry().block_bytes();
+    let read = |m: &Arc<KvMemory>| -> Result<Vec<u8>, String> {
+        let mut out = vec![0u8; bb];
+        m.read_block(0, 2, &mut out).map_err(|e| e.to_string())?;
+        Ok(out)
+    };
+    let before = read(&p.dst)?;
+    let mut recv = p.rx.expect(vec![2, 3], BINDING, None).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let mut send = p.tx.send(recv.descriptor(), vec![0, 1], BINDING ^ 1, None).map_err(|e| e.to_string())?;
+    send.push_all();
+    let r = within("send of other content", send.wait()).await?;
+    expect_err("sender bound to other content", r, |e| matches!(e, Error::Rejected { .. }))?;
+    let r = within("receiver of other content", recv.wait()).await?;
+    expect_err("receiver of other content", r, |e| matches!(e, Error::Rejected { .. }))?;
+    if t.elapsed() > Duration::from_secs(2) {
+        return Err(format!("refusing took {:?}", t.elapsed()));
+    }
+    if recv.progress().layers != 0 {
+        return Err(format!("{} layers reported for refused content", recv.progress().layers));
+    }
+    if read(&p.dst)? != before {
+        return Err("refused content was written into the receiver's block".into());
+    }
+    released(&[&p.src, &p.dst]).await
+}
+
 async fn receiver_timeout(suite: &Suite) -> CaseResult {
     let p = pair(suite, 16, 14).await?;
     let blocks: Vec<u32> = (0..8).collect();
-    let mut recv = p.rx.expect(blocks.clone(), Some(Duration::from_millis(300))).map_err(|e| e.to_string())?;
-    let mut send = p.tx.send(recv.descriptor(), blocks, None).map_err(|e| e.to_string())?;
+    let mut recv = p.rx.expect(blocks.clone(), BINDING, Some(Duration::from_millis(300))).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send(recv.descriptor(), blocks, BINDING, None).map_err(|e| e.to_string())?;
     send.push_layer(0).map_err(|e| e.to_string())?; // and never the rest
     let r = within("receiver timeout", recv.wait()).await?;
     expect_err("receiver whose sender stalls", r, |e| matches!(e, Error::Timeout { .. }))?;
@@ -589,8 +625,8 @@ async fn large_transfer(suite: &Suite) -> CaseResult {
     let sb: Vec<u32> = (0..512).collect();
     let mut db = sb.clone();
     db.reverse();
-    let mut recv = rx.expect(db.clone(), Some(Duration::from_secs(100))).map_err(|e| e.to_string())?;
-    let mut send = tx.send(recv.descriptor(), sb.clone(), Some(Duration::from_secs(100))).map_err(|e| e.to_string())?;
+    let mut recv = rx.expect(db.clone(), BINDING, Some(Duration::from_secs(100))).map_err(|e| e.to_string())?;
+    let mut send = tx.send(recv.descriptor(), sb.clone(), BINDING, Some(Duration::from_secs(100))).map_err(|e| e.to_string())?;
     send.push_all();
     let stats = tokio::time::timeout(Duration::from_secs(100), recv.wait())
         .await

@@ -50,6 +50,10 @@ pub struct TransferDescriptor {
     pub dst_blocks: Vec<u32>,
     /// The receiver's geometry.
     pub geometry: Geometry,
+    /// What the destination blocks must come to hold, as the receiver names it: an opaque tag of the
+    /// content (tandem: a hash of the prompt's tokens). A sender states the binding of the content it
+    /// actually sends ([`Connector::send`]); the receiver refuses a transfer whose binding differs.
+    pub binding: u64,
 }
 
 /// Counters for metrics, including the bandwidth self-check of the last transfer each way.
@@ -103,7 +107,7 @@ impl FromStr for ConnectorSpec {
         }
         if let Some(addr) = s.strip_prefix("tcp://") {
             let bind = addr.parse().map_err(|_| bad("not a HOST:PORT socket address"))?;
-            return Ok(ConnectorSpec::Tcp(tcp::TcpOptions { bind, advertise: None }));
+            return Ok(ConnectorSpec::Tcp(tcp::TcpOptions { bind, ..tcp::TcpOptions::default() }));
         }
         if s == "inproc" {
             return Ok(ConnectorSpec::Inproc(None));
@@ -196,17 +200,21 @@ impl Connector {
         self.core.memory()
     }
 
-    /// Receiver side: reserves `dst_blocks` for an incoming transfer and returns its handle; send
-    /// `handle.descriptor()` to the sender. Fails with [`Error::Timeout`] if not complete within `timeout`
-    /// (default: the config's `transfer_timeout`).
-    pub fn expect(&self, dst_blocks: Vec<u32>, timeout: Option<Duration>) -> Result<RecvHandle> {
-        self.core.expect(dst_blocks, timeout.unwrap_or(self.core_config_timeout()))
+    /// Receiver side: reserves `dst_blocks` for an incoming transfer of the content tagged `binding`
+    /// and returns its handle; send `handle.descriptor()` to the sender. Transfer ids are random (a
+    /// descriptor cannot be guessed). Fails with [`Error::Timeout`] if not complete within `timeout`
+    /// (default: the config's `transfer_timeout`), and with [`Error::Rejected`] if the sender states
+    /// another binding.
+    pub fn expect(&self, dst_blocks: Vec<u32>, binding: u64, timeout: Option<Duration>) -> Result<RecvHandle> {
+        self.core.expect(dst_blocks, binding, timeout.unwrap_or(self.core_config_timeout()))
     }
 
     /// Sender side: starts pushing `src_blocks` (paired in order with `desc.dst_blocks`) to the receiver.
-    /// Nothing is sent for a layer until [`SendHandle::push_layer`] announces it.
-    pub fn send(&self, desc: &TransferDescriptor, src_blocks: Vec<u32>, timeout: Option<Duration>) -> Result<SendHandle> {
-        self.core.start_send(Arc::clone(&self.transport), desc, src_blocks, timeout.unwrap_or(self.core_config_timeout()))
+    /// `binding` tags the content the sender actually sends (computed by the sender from what it computed,
+    /// never copied from `desc`); the receiver compares it with the binding it expects before any block
+    /// lands. Nothing is sent for a layer until [`SendHandle::push_layer`] announces it.
+    pub fn send(&self, desc: &TransferDescriptor, src_blocks: Vec<u32>, binding: u64, timeout: Option<Duration>) -> Result<SendHandle> {
+        self.core.start_send(Arc::clone(&self.transport), desc, src_blocks, binding, timeout.unwrap_or(self.core_config_timeout()))
     }
 
     fn core_config_timeout(&self) -> Duration {

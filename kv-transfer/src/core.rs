@@ -51,9 +51,24 @@ struct RxLink {
     link: Arc<dyn Link>,
 }
 
+/// A decoded `Start` frame's fields.
+struct StartFrame {
+    id: u64,
+    num_blocks: u32,
+    blocks_hash: u64,
+    binding: u64,
+}
+
+/// A transfer id from the operating system's random source.
+fn random_id() -> Result<u64> {
+    getrandom::u64().map_err(|e| Error::Invalid(format!("no random source for transfer ids: {e}")))
+}
+
 struct RxTransfer {
     blocks: Vec<u32>,
     blocks_hash: u64,
+    /// The content the receiver expects (the sender's `Start` must name the same).
+    binding: u64,
     claim: Option<Claim>,
     /// Link that sent `Start`.
     link: Option<u64>,
@@ -101,7 +116,13 @@ struct OutLink {
     link: Arc<dyn Link>,
     hello: Mutex<Option<oneshot::Sender<Result<()>>>>,
     dead: AtomicBool,
+    /// When the link was last handed to a transfer or last answered.
+    last_active: Mutex<Instant>,
 }
+
+/// A sender reuses a link only if it was active this recently (or has transfers in flight): receivers
+/// close links idle for longer (TCP: 90 s), and a transfer must never start on a link about to close.
+const LINK_REUSE_IDLE: Duration = Duration::from_secs(30);
 
 type EndpointSlot = Arc<tokio::sync::Mutex<Option<Arc<OutLink>>>>;
 
@@ -135,8 +156,6 @@ pub(crate) struct Core {
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
     counters: Counters,
-    id_prefix: u64,
-    next_id: AtomicU64,
     closed: AtomicBool,
     me: Weak<Core>,
 }
@@ -145,12 +164,6 @@ type Replies = Vec<(Arc<dyn Link>, Frame, bool)>;
 
 impl Core {
     pub(crate) fn new(memory: Arc<KvMemory>, config: ConnectorConfig, rt: Handle) -> Arc<Core> {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        let seed = [nanos.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat();
-        let id_prefix = twox_hash::XxHash3_64::oneshot(&seed) << 24;
         Arc::new_cyclic(|me| Core {
             memory,
             config,
@@ -159,8 +172,6 @@ impl Core {
             rx: Mutex::new(Rx::default()),
             tx: Mutex::new(Tx::default()),
             counters: Counters::default(),
-            id_prefix,
-            next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             me: me.clone(),
         })
@@ -192,21 +203,30 @@ impl Core {
 
     // ---------------------------------------------------------------- receiver side
 
-    pub(crate) fn expect(&self, blocks: Vec<u32>, timeout: Duration) -> Result<RecvHandle> {
+    pub(crate) fn expect(&self, blocks: Vec<u32>, binding: u64, timeout: Duration) -> Result<RecvHandle> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Shutdown);
         }
         let claim = self.memory.claim(&blocks, true)?;
-        let id = self.id_prefix | (self.next_id.fetch_add(1, Ordering::Relaxed) & 0xff_ffff);
+        let mut rx = lock(&self.rx);
+        // Random ids: knowing one transfer's id tells nothing about another's.
+        let id = loop {
+            let id = random_id()?;
+            if id != 0 && !rx.transfers.contains_key(&id) && !rx.ended.contains(&id) {
+                break id;
+            }
+        };
         let (progress, progress_rx) = watch::channel(Progress::pending());
         let descriptor = TransferDescriptor {
             id,
             endpoint: self.endpoint.get().cloned().unwrap_or_default(),
             dst_blocks: blocks.clone(),
             geometry: self.memory.geometry().clone(),
+            binding,
         };
         let transfer = RxTransfer {
             blocks_hash: frame::blocks_hash(&blocks),
+            binding,
             blocks,
             claim: Some(claim),
             link: None,
@@ -221,7 +241,6 @@ impl Core {
             timer: None,
         };
         // Registered before the timer starts, so even a zero timeout finds the transfer to expire.
-        let mut rx = lock(&self.rx);
         rx.transfers.insert(id, transfer);
         let me = self.me.clone();
         let timer = self.rt.spawn(async move {
@@ -346,8 +365,9 @@ impl Core {
                         Delivery::Discard
                     }
                     _ if !known => Delivery::CloseLink("frame before handshake".into()),
-                    Frame::Start { id, num_blocks, blocks_hash } => {
-                        self.rx_start(&mut rx, link, id, num_blocks, blocks_hash, &mut replies);
+                    Frame::Start { id, num_blocks, blocks_hash, binding } => {
+                        let start = StartFrame { id, num_blocks, blocks_hash, binding };
+                        self.rx_start(&mut rx, link, start, &mut replies);
                         Delivery::Discard
                     }
                     Frame::Chunk(h) => self.rx_chunk(&mut rx, link, h, payload_len, &mut replies),
@@ -371,7 +391,8 @@ impl Core {
         delivery
     }
 
-    fn rx_start(&self, rx: &mut Rx, link: &Arc<dyn Link>, id: u64, num_blocks: u32, hash: u64, replies: &mut Replies) {
+    fn rx_start(&self, rx: &mut Rx, link: &Arc<dyn Link>, start: StartFrame, replies: &mut Replies) {
+        let StartFrame { id, num_blocks, blocks_hash: hash, binding } = start;
         if rx.ended.contains(&id) {
             return;
         }
@@ -392,6 +413,16 @@ impl Core {
                 "destination blocks differ from the {} the receiver allocated (sender names {num_blocks})",
                 t.blocks.len()
             );
+            self.rx_end(rx, id, Err(Error::Rejected { id, reason }), Some(AbortCode::Rejected), replies);
+            return;
+        }
+        if binding != t.binding {
+            let reason = format!(
+                "the sender's KV is bound to other content ({binding:#018x}) than the receiver expects ({:#018x}): \
+                 refused before any block landed",
+                t.binding
+            );
+            tracing::warn!(peer = link.peer(), id, "KV transfer refused: content binding differs");
             self.rx_end(rx, id, Err(Error::Rejected { id, reason }), Some(AbortCode::Rejected), replies);
             return;
         }
@@ -522,6 +553,7 @@ impl Core {
         transport: Arc<dyn Transport>,
         desc: &TransferDescriptor,
         src_blocks: Vec<u32>,
+        binding: u64,
         timeout: Duration,
     ) -> Result<SendHandle> {
         if self.closed.load(Ordering::Acquire) {
@@ -549,6 +581,7 @@ impl Core {
             core: Arc::clone(self),
             transport,
             desc: desc.clone(),
+            binding,
             claim: Arc::new(claim),
             pushed: pushed_rx,
             progress: progress_tx,
@@ -561,17 +594,31 @@ impl Core {
     async fn link_to(&self, transport: &Arc<dyn Transport>, endpoint: &str) -> Result<Arc<OutLink>> {
         let slot = Arc::clone(lock(&self.tx).endpoints.entry(endpoint.to_string()).or_default());
         let mut slot = slot.lock().await;
-        if let Some(out) = slot.as_ref()
-            && !out.dead.load(Ordering::Acquire)
-        {
-            return Ok(Arc::clone(out));
+        if let Some(out) = slot.take() {
+            let id = out.link.id();
+            let busy = lock(&self.tx).pending.keys().any(|k| k.0 == id);
+            let fresh = lock(&out.last_active).elapsed() < LINK_REUSE_IDLE;
+            if !out.dead.load(Ordering::Acquire) && (busy || fresh) {
+                *lock(&out.last_active) = Instant::now();
+                *slot = Some(Arc::clone(&out));
+                return Ok(out);
+            }
+            // Dead, or idle long enough that the receiver may be closing it: start afresh.
+            out.dead.store(true, Ordering::Release);
+            lock(&self.tx).links.remove(&id);
+            out.link.close();
         }
         let unreachable = |reason: String| Error::Unreachable { endpoint: endpoint.to_string(), reason };
         let link = tokio::time::timeout(self.config.connect_timeout, transport.connect(endpoint))
             .await
             .map_err(|_| unreachable(format!("no connection within {:?}", self.config.connect_timeout)))??;
         let (hello_tx, hello_rx) = oneshot::channel();
-        let out = Arc::new(OutLink { link: Arc::clone(&link), hello: Mutex::new(Some(hello_tx)), dead: AtomicBool::new(false) });
+        let out = Arc::new(OutLink {
+            link: Arc::clone(&link),
+            hello: Mutex::new(Some(hello_tx)),
+            dead: AtomicBool::new(false),
+            last_active: Mutex::new(Instant::now()),
+        });
         lock(&self.tx).links.insert(link.id(), Arc::clone(&out));
         let hello = Frame::Hello { version: PROTOCOL_VERSION, geometry: self.memory.geometry().clone() };
         let handshake = async {
@@ -594,6 +641,7 @@ impl Core {
 
     fn tx_message(&self, out: &Arc<OutLink>, frame: Frame) -> Delivery {
         let link_id = out.link.id();
+        *lock(&out.last_active) = Instant::now();
         match frame {
             Frame::HelloAck { version } => {
                 let verdict = if version == PROTOCOL_VERSION {
@@ -741,6 +789,8 @@ struct SendJob {
     core: Arc<Core>,
     transport: Arc<dyn Transport>,
     desc: TransferDescriptor,
+    /// The sender's tag of what it sends (not the descriptor's).
+    binding: u64,
     claim: Arc<Claim>,
     pushed: watch::Receiver<u32>,
     progress: watch::Sender<Progress>,
@@ -818,7 +868,12 @@ impl SendJob {
         if out.dead.load(Ordering::Acquire) {
             return Err(Error::LinkFailed { peer: link.peer().to_string(), reason: "link closed".into() });
         }
-        let start = Frame::Start { id: desc.id, num_blocks: desc.dst_blocks.len() as u32, blocks_hash: frame::blocks_hash(&desc.dst_blocks) };
+        let start = Frame::Start {
+            id: desc.id,
+            num_blocks: desc.dst_blocks.len() as u32,
+            blocks_hash: frame::blocks_hash(&desc.dst_blocks),
+            binding: self.binding,
+        };
         link.send(start.encode(), Payload::empty()).await?;
 
         let n = self.claim.blocks().len();

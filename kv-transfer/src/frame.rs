@@ -22,7 +22,7 @@ fn xxh3_64(bytes: &[u8]) -> u64 {
 use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
 
 /// Protocol version spoken by this build; the handshake refuses any other.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest encoded frame header (matches `TANDEM_KV_MAX_HEADER` in the C header).
 pub const MAX_HEADER: usize = 4096;
 /// Bytes before the body: magic, kind, two reserved bytes... see the module doc.
@@ -107,7 +107,8 @@ pub enum Frame {
         reason: String,
     },
     /// Sender → receiver: transfer `id` begins; the destination block list has `num_blocks` entries and
-    /// xxh3-64 `blocks_hash` (of the little-endian u32s).
+    /// xxh3-64 `blocks_hash` (of the little-endian u32s), and the content sent is tagged `binding`
+    /// (protocol 2).
     Start {
         /// Transfer id.
         id: u64,
@@ -115,6 +116,8 @@ pub enum Frame {
         num_blocks: u32,
         /// Hash of the destination block list.
         blocks_hash: u64,
+        /// The sender's tag of the content it sends (see `TransferDescriptor::binding`).
+        binding: u64,
     },
     /// Sender → receiver: one chunk; `byte_len` payload bytes follow.
     Chunk(ChunkHeader),
@@ -212,10 +215,11 @@ impl Frame {
             }
             Frame::HelloAck { version } => body.extend_from_slice(&version.to_le_bytes()),
             Frame::HelloReject { reason } => put_str(&mut body, reason),
-            Frame::Start { id, num_blocks, blocks_hash } => {
+            Frame::Start { id, num_blocks, blocks_hash, binding } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.extend_from_slice(&num_blocks.to_le_bytes());
                 body.extend_from_slice(&blocks_hash.to_le_bytes());
+                body.extend_from_slice(&binding.to_le_bytes());
             }
             Frame::Chunk(c) => {
                 body.extend_from_slice(&c.id.to_le_bytes());
@@ -297,7 +301,7 @@ impl Frame {
             }
             2 => Frame::HelloAck { version: r.u16()? },
             3 => Frame::HelloReject { reason: r.string()? },
-            4 => Frame::Start { id: r.u64()?, num_blocks: r.u32()?, blocks_hash: r.u64()? },
+            4 => Frame::Start { id: r.u64()?, num_blocks: r.u32()?, blocks_hash: r.u64()?, binding: r.u64()? },
             5 => Frame::Chunk(ChunkHeader {
                 id: r.u64()?,
                 layer: r.u32()?,
@@ -373,7 +377,7 @@ mod tests {
             Frame::Hello { version: PROTOCOL_VERSION, geometry: small("smollm2") },
             Frame::HelloAck { version: 1 },
             Frame::HelloReject { reason: "block_size 16 != 32".into() },
-            Frame::Start { id: 0xdead_beef, num_blocks: 7, blocks_hash: blocks_hash(&[1, 2, 3]) },
+            Frame::Start { id: 0xdead_beef, num_blocks: 7, blocks_hash: blocks_hash(&[1, 2, 3]), binding: 0x1234_5678_9abc_def0 },
             Frame::Chunk(ChunkHeader { id: 9, layer: 2, block_start: 4, block_count: 3, byte_len: 1536, checksum: 77 }),
             Frame::Done { id: u64::MAX },
             Frame::Abort { id: 1, code: AbortCode::Integrity, reason: "checksum ✗".into() },

@@ -41,6 +41,7 @@ macro_rules! all_cases {
             handshake_mismatch_refused,
             unknown_destination_fails_fast,
             unknown_transfer_rejected,
+            other_content_refused,
             receiver_timeout_frees_blocks,
             large_transfer_256mib,
         ]);

@@ -8,6 +8,7 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tandem_kv_transfer::frame::{ChunkHeader, Frame, PREFIX_LEN, PROTOCOL_VERSION, blocks_hash, payload_checksum};
+use tandem_kv_transfer::transport::tcp::{TcpLimits, TcpOptions};
 use tandem_kv_transfer::{Connector, ConnectorConfig, ConnectorSpec, DType, Error, Fabric, Geometry, GeometrySpec, KvMemory, Layout};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -68,8 +69,8 @@ async fn honest_transfer(rx: &Connector) {
     let tx = Connector::from_spec(&"tcp".parse::<ConnectorSpec>().unwrap(), Arc::clone(&src), ConnectorConfig::default(), &Fabric::new())
         .await
         .unwrap();
-    let mut recv = rx.expect(vec![8, 9, 10, 11], None).unwrap();
-    let mut send = tx.send(recv.descriptor(), vec![0, 1, 2, 3], None).unwrap();
+    let mut recv = rx.expect(vec![8, 9, 10, 11], 0, None).unwrap();
+    let mut send = tx.send(recv.descriptor(), vec![0, 1, 2, 3], 0, None).unwrap();
     send.push_all();
     recv.wait().await.unwrap();
     send.wait().await.unwrap();
@@ -137,7 +138,7 @@ async fn wrong_version_gets_a_reasoned_reject() {
     }
     // Frames before the handshake are refused too.
     let mut s = raw(&rx.endpoint()).await;
-    s.write_all(&Frame::Start { id: 1, num_blocks: 0, blocks_hash: 0 }.encode()).await.unwrap();
+    s.write_all(&Frame::Start { id: 1, num_blocks: 0, blocks_hash: 0, binding: 0 }.encode()).await.unwrap();
     until_closed(&mut s).await;
     honest_transfer(&rx).await;
 }
@@ -146,11 +147,11 @@ async fn wrong_version_gets_a_reasoned_reject() {
 async fn sender_vanishing_mid_payload_fails_the_transfer_and_frees_blocks() {
     let (rx, memory) = receiver().await;
     let bb = geometry().block_bytes();
-    let mut recv = rx.expect(vec![3, 4], None).unwrap();
+    let mut recv = rx.expect(vec![3, 4], 0, None).unwrap();
     let id = recv.descriptor().id;
     let mut s = raw(&rx.endpoint()).await;
     s.write_all(&hello()).await.unwrap();
-    s.write_all(&Frame::Start { id, num_blocks: 2, blocks_hash: blocks_hash(&[3, 4]) }.encode()).await.unwrap();
+    s.write_all(&Frame::Start { id, num_blocks: 2, blocks_hash: blocks_hash(&[3, 4]), binding: 0 }.encode()).await.unwrap();
     let payload = vec![5u8; 2 * bb];
     let chunk = ChunkHeader { id, layer: 0, block_start: 0, block_count: 2, byte_len: 2 * bb as u64, checksum: payload_checksum([&payload[..]]) };
     s.write_all(&Frame::Chunk(chunk).encode()).await.unwrap();
@@ -161,4 +162,73 @@ async fn sender_vanishing_mid_payload_fails_the_transfer_and_frees_blocks() {
     assert_eq!(recv.progress().layers, 0, "a cut-off layer must never be reported");
     assert_eq!(memory.claimed_blocks(), 0);
     honest_transfer(&rx).await;
+}
+
+async fn receiver_with(limits: TcpLimits) -> (Connector, Arc<KvMemory>) {
+    let memory = KvMemory::host(geometry(), 16).unwrap();
+    let spec = ConnectorSpec::Tcp(TcpOptions { limits, ..TcpOptions::default() });
+    let c = Connector::from_spec(&spec, Arc::clone(&memory), ConnectorConfig::default(), &Fabric::new()).await.unwrap();
+    (c, memory)
+}
+
+/// Connections that hold the receiver without doing anything are closed: silent before the
+/// handshake, idle after it, or dribbling a header that never completes. Past the cap, new ones are
+/// refused at once. Honest transfers keep working throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_half_sent_connections_are_closed() {
+    let limits = TcpLimits {
+        handshake: Duration::from_millis(1000),
+        idle: Duration::from_millis(1500),
+        message: Duration::from_millis(400),
+        max_incoming: 8,
+    };
+    let (rx, memory) = receiver_with(limits).await;
+    let t = std::time::Instant::now();
+    // Never says hello.
+    let mut silent = raw(&rx.endpoint()).await;
+    until_closed(&mut silent).await;
+    assert!(t.elapsed() < Duration::from_secs(3), "silent connection held {:?}", t.elapsed());
+    // Says hello, then nothing.
+    let mut idle = raw(&rx.endpoint()).await;
+    idle.write_all(&hello()).await.unwrap();
+    let t = std::time::Instant::now();
+    let reply = until_closed(&mut idle).await;
+    assert!(!reply.is_empty(), "the hello was answered first");
+    assert!(t.elapsed() >= Duration::from_millis(1400), "closed before the idle limit: {:?}", t.elapsed());
+    // Half a header, never finished.
+    let mut half = raw(&rx.endpoint()).await;
+    let h = hello();
+    half.write_all(&h[..h.len() / 2]).await.unwrap();
+    let t = std::time::Instant::now();
+    until_closed(&mut half).await;
+    assert!(t.elapsed() < Duration::from_secs(2), "half-sent header held {:?}", t.elapsed());
+    // The cap: 8 silent connections fill it; a 9th is closed at once, then an honest peer gets in
+    // again once the silent ones timed out.
+    let mut hogs = Vec::new();
+    for _ in 0..8 {
+        hogs.push(raw(&rx.endpoint()).await);
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut extra = raw(&rx.endpoint()).await;
+    let t = std::time::Instant::now();
+    until_closed(&mut extra).await;
+    assert!(t.elapsed() < Duration::from_millis(250), "a connection over the cap must be refused at once");
+    for mut h in hogs {
+        until_closed(&mut h).await;
+    }
+    honest_transfer(&rx).await;
+    assert_eq!(memory.claimed_blocks(), 0);
+}
+
+/// Transfer ids are random: two receivers (or one receiver twice) never hand out related ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_ids_are_not_sequential() {
+    let (rx, _memory) = receiver().await;
+    let ids: Vec<u64> = (0..64).map(|i| rx.expect(vec![i % 16], 0, None).unwrap().descriptor().id).collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), ids.len(), "ids repeat");
+    let close = ids.windows(2).filter(|w| w[0].abs_diff(w[1]) < (1 << 32)).count();
+    assert!(close <= 1, "{close} of 63 consecutive ids are within 2^32 of each other: {ids:x?}");
 }

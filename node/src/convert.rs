@@ -9,6 +9,19 @@ use tandem_proto::v1 as api;
 
 use crate::error::NodeError;
 
+/// A peer-supplied string made safe to log: at most 200 bytes, control characters escaped.
+pub fn printable(s: &str) -> String {
+    let mut end = s.len().min(200);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out: String = s[..end].escape_debug().collect();
+    if end < s.len() {
+        out.push_str("...");
+    }
+    out
+}
+
 /// Most top logprobs a request may ask for.
 pub const MAX_LOGPROBS: u32 = 20;
 
@@ -160,13 +173,20 @@ pub fn descriptor_to_proto(d: &TransferDescriptor) -> node::KvDescriptor {
         endpoint: d.endpoint.clone(),
         dst_blocks: d.dst_blocks.clone(),
         geometry: Some(geometry_to_proto(&d.geometry)),
+        binding: d.binding,
     }
 }
 
 /// A transfer descriptor from the wire, validated.
 pub fn descriptor_from_proto(d: &node::KvDescriptor) -> Result<TransferDescriptor, NodeError> {
     let g = d.geometry.as_ref().ok_or_else(|| NodeError::InvalidArgument("KV descriptor without geometry".into()))?;
-    Ok(TransferDescriptor { id: d.transfer_id, endpoint: d.endpoint.clone(), dst_blocks: d.dst_blocks.clone(), geometry: geometry_from_proto(g)? })
+    Ok(TransferDescriptor {
+        id: d.transfer_id,
+        endpoint: d.endpoint.clone(),
+        dst_blocks: d.dst_blocks.clone(),
+        geometry: geometry_from_proto(g)?,
+        binding: d.binding,
+    })
 }
 
 #[cfg(test)]

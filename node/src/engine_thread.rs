@@ -45,6 +45,9 @@ pub struct TransferPlan {
     pub descriptor: TransferDescriptor,
     /// Leading prompt blocks the decode node already has (not sent).
     pub skip_blocks: usize,
+    /// The binding of the prompt this node computes ([`crate::kv::kv_binding`] of its own prompt,
+    /// never the descriptor's).
+    pub binding: u64,
     /// Deadline of the transfer.
     pub timeout: Duration,
 }
@@ -194,7 +197,7 @@ impl StepObserver for Observer<'_> {
                 continue;
             };
             let src: Vec<u32> = src.iter().map(|b| b.0).collect();
-            match connector.send(&plan.descriptor, src, Some(plan.timeout)) {
+            match connector.send(&plan.descriptor, src, plan.binding, Some(plan.timeout)) {
                 Ok(handle) => self.started.push((r.request, handle)),
                 Err(e) => self.failed.push((r.request, format!("starting the KV transfer: {e}"))),
             }

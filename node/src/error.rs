@@ -21,6 +21,9 @@ pub enum NodeError {
     /// No node can take the request right now (none of a role, or all gone).
     #[error("{0}")]
     Unavailable(String),
+    /// The caller may not ask for this (a peer that membership does not list).
+    #[error("{0}")]
+    Forbidden(String),
     /// A peer node answered with an error.
     #[error("{0}")]
     Peer(#[from] Status),
@@ -43,6 +46,7 @@ impl From<NodeError> for Status {
             NodeError::InvalidArgument(_) => Code::InvalidArgument,
             NodeError::NotFound(_) => Code::NotFound,
             NodeError::Unavailable(_) => Code::Unavailable,
+            NodeError::Forbidden(_) => Code::PermissionDenied,
             NodeError::Peer(s) => return s.clone(),
             NodeError::Internal(_) => Code::Internal,
         };

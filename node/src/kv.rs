@@ -26,6 +26,21 @@ pub fn model_fingerprint(name: &str, model_dir: &Path) -> Result<String, NodeErr
     Ok(id)
 }
 
+/// The content binding of a prompt's transferred KV (see `TransferDescriptor::binding`): a hash of every
+/// prompt token and of how many leading blocks the receiver already holds. The decode node expects the
+/// binding of the prompt it serves; the prefill node states the binding of the prompt it actually
+/// computed. KV for one prompt can therefore never land in blocks allocated for another, whoever asks.
+pub fn kv_binding(prompt: &[u32], skip_blocks: usize, block_size: usize) -> u64 {
+    let mut bytes = Vec::with_capacity(32 + 4 * prompt.len());
+    bytes.extend_from_slice(b"tandem-kv-binding-v1");
+    bytes.extend_from_slice(&(block_size as u64).to_le_bytes());
+    bytes.extend_from_slice(&(skip_blocks as u64).to_le_bytes());
+    for t in prompt {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    twox_hash::XxHash3_64::oneshot(&bytes)
+}
+
 /// The geometry of an engine's KV cache as transfers see it (f32 from the CPU engine, bf16 from the
 /// CUDA engine's host mirror).
 pub fn kv_geometry(engine: &Engine, model_id: &str) -> Result<Geometry, NodeError> {
@@ -64,4 +79,24 @@ pub fn register_kv(engine: &mut Engine, model_id: &str) -> Result<Arc<KvMemory>,
     // user; blocks under transfer are held by the scheduler (module invariant).
     let memory = unsafe { KvMemory::from_raw(geometry, mem.num_blocks as u32, MemoryKind::Host, mem.layer_bases, Box::new(()))? };
     Ok(memory)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kv_binding;
+
+    #[test]
+    fn binding_depends_on_every_token_and_the_skip() {
+        let prompt: Vec<u32> = (0..40).map(|i| i * 7 + 1).collect();
+        let base = kv_binding(&prompt, 1, 16);
+        assert_eq!(base, kv_binding(&prompt.clone(), 1, 16));
+        for i in 0..prompt.len() {
+            let mut other = prompt.clone();
+            other[i] ^= 1;
+            assert_ne!(kv_binding(&other, 1, 16), base, "token {i}");
+        }
+        assert_ne!(kv_binding(&prompt, 0, 16), base);
+        assert_ne!(kv_binding(&prompt, 1, 32), base);
+        assert_ne!(kv_binding(&prompt[..39], 1, 16), base);
+    }
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::sched::Role;
 use tandem_kv_transfer::Fabric;
-use tandem_node::{Event, NodeCore, NodeError, NodeSetup, TransferPlan, convert};
+use tandem_node::{Event, NodeCore, NodeError, NodeSetup, Peers, TransferPlan, convert};
 use tandem_proto::node::v1 as node;
 use tandem_proto::node::v1::prefill_server::{Prefill, PrefillServer};
 use tokio::sync::oneshot;
@@ -25,12 +25,14 @@ pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone)]
 pub struct PrefillNode {
     core: Arc<NodeCore>,
+    peers: Peers,
 }
 
 impl PrefillNode {
-    /// Loads the model and starts the engine and the KV connector.
-    pub async fn start(setup: NodeSetup, fabric: &Fabric) -> Result<PrefillNode, NodeError> {
-        Ok(PrefillNode { core: Arc::new(NodeCore::start(setup, Role::Prefill, fabric).await?) })
+    /// Loads the model and starts the engine and the KV connector. KV is pushed only to the endpoints
+    /// of decode nodes that `peers` lists.
+    pub async fn start(setup: NodeSetup, fabric: &Fabric, peers: Peers) -> Result<PrefillNode, NodeError> {
+        Ok(PrefillNode { core: Arc::new(NodeCore::start(setup, Role::Prefill, fabric).await?), peers })
     }
 
     /// The shared node parts (engine, connector, info).
@@ -43,7 +45,7 @@ impl PrefillNode {
         PrefillServer::new(self.clone())
     }
 
-    async fn run(core: Arc<NodeCore>, req: node::PrefillRequest, done: &mut oneshot::Sender<()>) -> Result<node::PrefillResponse, NodeError> {
+    async fn run(core: Arc<NodeCore>, peers: Peers, req: node::PrefillRequest, done: &mut oneshot::Sender<()>) -> Result<node::PrefillResponse, NodeError> {
         let started = Instant::now();
         core.check_tokens(&req.prompt)?;
         let params = convert::sampling_from_proto(req.sampling.as_ref())?;
@@ -57,7 +59,21 @@ impl PrefillNode {
             )));
         }
         core.geometry.check_compatible(&descriptor.geometry)?;
-        let plan = TransferPlan { descriptor, skip_blocks: skip, timeout: TRANSFER_TIMEOUT };
+        if !peers.is_decode_kv_endpoint(&descriptor.endpoint).await {
+            return Err(NodeError::Forbidden(format!(
+                "KV endpoint {:?} is not a decode node of this cluster",
+                tandem_node::convert::printable(&descriptor.endpoint)
+            )));
+        }
+        // The KV this node computes is bound to the prompt it was given; a descriptor bound to another
+        // prompt would be refused by the receiver anyway, so refuse it before computing anything.
+        let binding = tandem_node::kv::kv_binding(&req.prompt, skip, core.block_size);
+        if descriptor.binding != binding {
+            return Err(NodeError::InvalidArgument(
+                "the KV descriptor is bound to another prompt than the one to prefill".into(),
+            ));
+        }
+        let plan = TransferPlan { descriptor, skip_blocks: skip, binding, timeout: TRANSFER_TIMEOUT };
         let (id, mut events) = core.engine.add(req.prompt.clone(), params, Some(plan)).await?;
         let mut guard = AbortOnDrop { core: &core, id: Some(id) };
         let event = tokio::select! {
@@ -128,8 +144,8 @@ impl Prefill for PrefillNode {
         // The work runs in its own task so that a cancelled call still cleans up (cancel the transfer
         // before freeing blocks); the task learns of the cancellation when `rx` is dropped.
         let (mut tx, rx) = oneshot::channel::<()>();
-        let core = Arc::clone(&self.core);
-        let task = tokio::spawn(async move { PrefillNode::run(core, req, &mut tx).await }.instrument(span));
+        let (core, peers) = (Arc::clone(&self.core), self.peers.clone());
+        let task = tokio::spawn(async move { PrefillNode::run(core, peers, req, &mut tx).await }.instrument(span));
         let _keep = rx;
         match task.await {
             Ok(r) => r.map(Response::new).map_err(Status::from),

@@ -3,12 +3,16 @@
 //! the cluster equals a single process's; cancellation, node deaths and an etcd restart leave no hang and
 //! no leaked block; bad input gets typed statuses.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::Engine;
 use tandem_engine::engine::{EngineConfig, Prompt};
 use tandem_engine::sampling::SamplingParams;
 use tandem_membership::{Membership, NodeInfo};
+use tandem_proto::node::v1 as node;
+use tandem_proto::node::v1::decode_client::DecodeClient;
+use tandem_proto::node::v1::prefill_client::PrefillClient;
 use tandem_proto::v1 as api;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tandem_tests::etcd::{DataDir, EtcdServer};
@@ -474,4 +478,148 @@ async fn prefix_aware_routing_prefers_the_cached_prefix_over_the_idle_node() {
     let (_, _, second) = collect(&mut client, ask("Name a famous ship.", 4)).await.expect("served");
     assert!(second.cached_tokens >= 64, "the follow-up missed the cached prefix: {second:?}");
     drop(busy);
+}
+
+/// How the fake prefill node below misbehaves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Evil {
+    /// Has the real prefill node compute another prompt into the caller's blocks.
+    OtherPrompt,
+    /// The same, with the descriptor's binding rewritten to match the other prompt.
+    OtherPromptRebound,
+    /// Forwards honestly, then answers a first token outside the vocabulary.
+    BadFirstToken,
+}
+
+/// A prefill "node" run by an attacker who got it into membership (etcd has no credentials yet): it
+/// relays each call to the real prefill node, tampered with as `mode` says.
+#[derive(Clone)]
+struct EvilPrefill {
+    real: String,
+    block_size: usize,
+    mode: Arc<std::sync::Mutex<Evil>>,
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl tandem_proto::node::v1::prefill_server::Prefill for EvilPrefill {
+    async fn prefill(&self, request: tonic::Request<node::PrefillRequest>) -> Result<tonic::Response<node::PrefillResponse>, tonic::Status> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mode = *self.mode.lock().unwrap();
+        let mut req = request.into_inner();
+        if mode != Evil::BadFirstToken {
+            req.prompt[3] ^= 1;
+        }
+        if mode == Evil::OtherPromptRebound {
+            req.kv.as_mut().unwrap().binding = tandem_node::kv::kv_binding(&req.prompt, req.skip_blocks as usize, self.block_size);
+        }
+        let mut real = PrefillClient::connect(format!("http://{}", self.real)).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let mut answer = real.prefill(req).await?.into_inner();
+        if mode == Evil::BadFirstToken {
+            answer.first_token = 49152;
+        }
+        Ok(tonic::Response::new(answer))
+    }
+
+    async fn info(&self, _: tonic::Request<node::InfoRequest>) -> Result<tonic::Response<node::InfoResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("evil"))
+    }
+}
+
+async fn decode_directly(addr: &str, prompt: &[u32], prefill_addr: &str, max_tokens: u32) -> Result<Vec<u32>, tonic::Status> {
+    let mut client = DecodeClient::connect(format!("http://{addr}")).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let req = node::DecodeRequest { request_id: "evil".into(), prompt: prompt.to_vec(), sampling: Some(greedy(max_tokens)), prefill_addr: prefill_addr.into() };
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut ids = Vec::new();
+    while let Some(msg) = stream.next().await {
+        ids.extend(msg?.token_ids);
+    }
+    Ok(ids)
+}
+
+/// Found when tried as a hostile client would: a caller of a decode node's `Generate` could name its
+/// own prefill node, have the real one fill the victim's blocks with another prompt's KV (which then
+/// stayed cached under the victim's prompt), or answer a first token outside the vocabulary (which
+/// failed every stream on the node). Now: an unlisted prefill address is never called; KV computed for
+/// another prompt is refused by the prefill node or, rebound, by the receiver before any block lands; a
+/// bad answer falls back to local prefill for that request alone; and afterwards the victim's prompt
+/// gets exactly the single-process answer from a prefix cache holding only its own KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hostile_prefill_peers_cannot_poison_the_cache_or_fail_other_requests() {
+    let cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let nodes = cluster.membership().await;
+    let real = nodes.borrow().iter().find(|n| n.role == tandem_membership::NodeRole::Prefill).cloned().expect("the prefill node");
+    let decode_addr = cluster.decode_addrs[0].clone();
+    let victim_text = "What is the capital of France? Answer with the name of the city only, nothing else.";
+    let (victim, expected, others_expected) = tokio::task::spawn_blocking(move || {
+        let mut engine = Engine::load(&smollm2_dir(), EngineConfig::default()).expect("load");
+        let ids = engine.tokenize(&Prompt::Text(victim_text.into())).expect("tokenize");
+        let params = SamplingParams { max_tokens: 8, temperature: 0.0, ..SamplingParams::default() };
+        let expected = engine.generate(&Prompt::Tokens(ids.clone()), params.clone()).expect("generate").remove(0).token_ids;
+        let others = (0..4).map(|i| engine.generate(&Prompt::Text(format!("Bystander {i}: list three animals.")), params.clone()).expect("generate").remove(0).token_ids).collect::<Vec<_>>();
+        (ids, expected, others)
+    })
+    .await
+    .unwrap();
+    assert!(victim.len() > 16, "the prompt spans more than one block");
+
+    // An address membership does not list is never called: the decode node prefills locally.
+    let evil = EvilPrefill {
+        real: real.grpc_addr.clone(),
+        block_size: 16,
+        mode: Arc::new(std::sync::Mutex::new(Evil::OtherPrompt)),
+        calls: Arc::default(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let evil_addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(tandem_proto::node::v1::prefill_server::PrefillServer::new(evil.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let ids = decode_directly(&decode_addr, &victim, &evil_addr, 8).await.expect("served locally");
+    assert_eq!(ids, expected);
+    assert_eq!(evil.calls.load(std::sync::atomic::Ordering::SeqCst), 0, "an unlisted prefill address was called");
+    assert!(cluster.decode[0].stderr_shows("remote_prefill=unlisted", WAIT_LOG), "{}", cluster.decode[0].stderr());
+
+    // Now the attacker writes its node into membership, as anyone could with etcd unauthenticated.
+    let membership = Membership::etcd(&[cluster.etcd.endpoint()], PREFIX, Default::default()).await.expect("etcd");
+    let fake = NodeInfo { id: "prefill-evil".into(), grpc_addr: evil_addr.clone(), kv_endpoint: "tcp://127.0.0.1:9".into(), ..real.clone() };
+    let registration = membership.register(fake).await.expect("register the fake node");
+    for (round, mode) in [Evil::OtherPrompt, Evil::OtherPromptRebound, Evil::BadFirstToken].into_iter().enumerate() {
+        *evil.mode.lock().unwrap() = mode;
+        // Bystanders stream through the router meanwhile: none of them may fail.
+        let mut bystanders = Vec::new();
+        for i in 0..4 {
+            let mut client = cluster.client().await;
+            let req = text_request(&format!("Bystander {i}: list three animals."), 8);
+            bystanders.push(tokio::spawn(async move { collect(&mut client, req).await }));
+        }
+        let ids = decode_directly(&decode_addr, &victim, &evil_addr, 8).await.unwrap_or_else(|s| panic!("{mode:?}: the attacked request failed: {s:?}"));
+        assert_eq!(ids, expected, "{mode:?}: the attacked request must still get the right answer");
+        assert!(evil.calls.load(std::sync::atomic::Ordering::SeqCst) > round, "{mode:?}: the listed fake node was not called");
+        for (i, b) in bystanders.into_iter().enumerate() {
+            let (_, ids, _) = b.await.unwrap().unwrap_or_else(|s| panic!("{mode:?}: bystander {i} failed: {s:?}"));
+            assert_eq!(ids, others_expected[i], "{mode:?}: bystander {i}");
+        }
+    }
+    let log = cluster.decode[0].stderr();
+    assert!(log.contains("bound to another prompt"), "the prefill node did not refuse the other prompt:\n{log}");
+    assert!(log.contains("bound to other content"), "the receiver did not refuse the rebound KV:\n{log}");
+    assert!(log.contains("answer is invalid"), "the bad first token was not caught:\n{log}");
+    registration.deregister().await.expect("deregister");
+
+    // The victim, through the router: the cached prefix holds its own KV only.
+    let mut client = cluster.client().await;
+    let req = api::GenerateRequest {
+        prompt: Some(api::generate_request::Prompt::TokenIds(api::TokenIds { ids: victim.clone() })),
+        sampling: Some(greedy(8)),
+        ..Default::default()
+    };
+    let (_, ids, usage) = collect(&mut client, req).await.expect("victim served");
+    assert_eq!(ids, expected, "the victim got another prompt's answer: the prefix cache was poisoned");
+    assert!(usage.cached_tokens >= 16, "the victim's prompt should be served from the cache: {usage:?}");
+    let mut nodes = cluster.membership().await;
+    wait_all_blocks_free(&mut nodes, 2).await;
 }

@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         byte_len: payload.len() as u64,
         checksum: payload_checksum([payload.as_slice()]),
     };
-    let start = Frame::Start { id: 7, num_blocks: 3, blocks_hash: blocks_hash(&[4, 5, 6]) };
+    let start = Frame::Start { id: 7, num_blocks: 3, blocks_hash: blocks_hash(&[4, 5, 6]), binding: 9 };
 
     let singles = [
         ("hello", Frame::Hello { version: PROTOCOL_VERSION, geometry }),

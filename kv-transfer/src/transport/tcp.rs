@@ -10,13 +10,18 @@
 //!   `MAX_HEADER`), then the payload into the inbox's iovecs or through a fixed scratch buffer.
 //! - Every `Delivery::Into` is answered by one `on_payload`, also when the link closes mid-payload; a link
 //!   that fails reports `on_link_closed` once; a link closed locally reports nothing.
+//! - An accepted connection holds nothing for free ([`TcpLimits`]): its first message must arrive
+//!   within the handshake timeout, every later one within the idle timeout of the previous, and each
+//!   message must arrive whole within the message timeout of its first byte; at most `max_incoming`
+//!   are open at once (more are closed at accept).
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -28,6 +33,26 @@ use crate::frame::{Frame, PREFIX_LEN};
 use crate::memory::MemoryKind;
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
 
+/// What an accepted connection may hold, and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpLimits {
+    /// How long an accepted connection may take to send its first message (the handshake).
+    pub handshake: Duration,
+    /// How long an accepted connection may stay silent between messages. Senders stop reusing a link
+    /// well before (30 s, see the connector core), so a live peer never sees its link closed under it.
+    pub idle: Duration,
+    /// How long one message (header and payload) may take from its first byte to its last.
+    pub message: Duration,
+    /// Most accepted connections open at once.
+    pub max_incoming: usize,
+}
+
+impl Default for TcpLimits {
+    fn default() -> Self {
+        TcpLimits { handshake: Duration::from_secs(5), idle: Duration::from_secs(90), message: Duration::from_secs(30), max_incoming: 512 }
+    }
+}
+
 /// Where the TCP backend listens and what it advertises.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TcpOptions {
@@ -35,11 +60,13 @@ pub struct TcpOptions {
     pub bind: SocketAddr,
     /// Host name or IP that peers should dial (default: the bind IP, or 127.0.0.1 if that is unspecified).
     pub advertise: Option<String>,
+    /// Deadlines and caps for accepted connections.
+    pub limits: TcpLimits,
 }
 
 impl Default for TcpOptions {
     fn default() -> Self {
-        TcpOptions { bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), advertise: None }
+        TcpOptions { bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), advertise: None, limits: TcpLimits::default() }
     }
 }
 
@@ -53,6 +80,7 @@ enum Closed {
 /// The TCP transport; see the module doc.
 pub struct TcpTransport {
     endpoint: String,
+    limits: TcpLimits,
     inbox: Arc<dyn Inbox>,
     links: Mutex<HashMap<u64, Arc<TcpLink>>>,
     next_link: AtomicU64,
@@ -80,6 +108,7 @@ impl TcpTransport {
         };
         let transport = Arc::new_cyclic(|me| TcpTransport {
             endpoint,
+            limits: opts.limits,
             inbox,
             links: Mutex::new(HashMap::new()),
             next_link: AtomicU64::new(1),
@@ -95,21 +124,29 @@ impl TcpTransport {
                     continue;
                 };
                 let Some(t) = me.upgrade() else { return };
-                t.adopt(stream, peer.to_string());
+                let incoming = lock(&t.links).values().filter(|l| l.incoming).count();
+                if incoming >= t.limits.max_incoming {
+                    tracing::warn!(%peer, max = t.limits.max_incoming, "KV connection refused: too many incoming connections are open");
+                    drop(stream);
+                    continue;
+                }
+                t.adopt(stream, peer.to_string(), true);
             }
         });
         *lock(&transport.accept) = Some(task);
         Ok(transport)
     }
 
-    /// Registers a connected stream as a link and starts its reader.
-    fn adopt(&self, stream: TcpStream, peer: String) -> Arc<TcpLink> {
+    /// Registers a connected stream as a link and starts its reader. `incoming`: accepted here (held to
+    /// the idle and handshake deadlines), not dialled.
+    fn adopt(&self, stream: TcpStream, peer: String, incoming: bool) -> Arc<TcpLink> {
         let _ = stream.set_nodelay(true);
         let (rd, wr) = stream.into_split();
         let (closed, closed_rx) = watch::channel(Closed::Open);
         let link = Arc::new(TcpLink {
             id: self.next_link.fetch_add(1, Ordering::Relaxed),
             peer,
+            incoming,
             writer: tokio::sync::Mutex::new(Some(wr)),
             closed,
         });
@@ -117,7 +154,7 @@ impl TcpTransport {
         if self.shut.load(Ordering::Acquire) {
             link.close();
         }
-        let reader = Reader { inbox: Arc::clone(&self.inbox), link: Arc::clone(&link), transport: self.me.clone() };
+        let reader = Reader { inbox: Arc::clone(&self.inbox), link: Arc::clone(&link), transport: self.me.clone(), limits: self.limits };
         tokio::spawn(reader.run(rd, closed_rx));
         link
     }
@@ -146,7 +183,7 @@ impl Transport for TcpTransport {
                 return Err(Error::Shutdown);
             }
             let stream = TcpStream::connect(addr).await.map_err(|e| unreachable(e.to_string()))?;
-            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string());
+            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), false);
             Ok(link)
         })
     }
@@ -173,6 +210,7 @@ impl Drop for TcpTransport {
 struct TcpLink {
     id: u64,
     peer: String,
+    incoming: bool,
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
     closed: watch::Sender<Closed>,
 }
@@ -266,6 +304,7 @@ struct Reader {
     inbox: Arc<dyn Inbox>,
     link: Arc<TcpLink>,
     transport: Weak<TcpTransport>,
+    limits: TcpLimits,
 }
 
 const SCRATCH: usize = 64 * 1024;
@@ -274,8 +313,25 @@ impl Reader {
     async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
         let mut rd = BufReader::with_capacity(SCRATCH, rd);
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
+        let mut first = true;
         let natural = loop {
-            if let Err(reason) = self.one_message(&mut rd, &dyn_link, &mut closed).await {
+            // Wait for the next message's first byte: bounded on accepted links.
+            let wait = if first { self.limits.handshake } else { self.limits.idle };
+            let ready = tokio::select! {
+                r = rd.fill_buf() => r.map(|b| !b.is_empty()).map_err(|e| e.to_string()),
+                _ = closed.wait_for(|c| *c != Closed::Open) => Err("link closed".into()),
+                _ = tokio::time::sleep(wait), if self.link.incoming => {
+                    Err(if first { "no handshake in time".to_string() } else { format!("idle for {wait:?}") })
+                }
+            };
+            match ready {
+                Ok(true) => {}
+                Ok(false) => break "peer closed the connection".to_string(),
+                Err(reason) => break reason,
+            }
+            first = false;
+            let deadline = self.link.incoming.then(|| tokio::time::Instant::now() + self.limits.message);
+            if let Err(reason) = self.one_message(&mut rd, &dyn_link, &mut closed, deadline).await {
                 break reason;
             }
         };
@@ -294,15 +350,23 @@ impl Reader {
         }
     }
 
-    async fn read_exact<R>(rd: &mut R, buf: &mut [u8], closed: &mut watch::Receiver<Closed>) -> Result<(), String>
+    /// Reads `buf` whole, unless the link closes or the message's `deadline` passes.
+    async fn read_exact<R>(rd: &mut R, buf: &mut [u8], closed: &mut watch::Receiver<Closed>, deadline: Option<tokio::time::Instant>) -> Result<(), String>
     where
         R: tokio::io::AsyncRead + Unpin,
     {
+        let late = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             r = rd.read_exact(buf) => r.map(|_| ()).map_err(|e| {
                 if e.kind() == std::io::ErrorKind::UnexpectedEof { "peer closed the connection".to_string() } else { e.to_string() }
             }),
             _ = closed.wait_for(|c| *c != Closed::Open) => Err("link closed".into()),
+            _ = late => Err("a message took too long to arrive".to_string()),
         }
     }
 
@@ -311,13 +375,14 @@ impl Reader {
         rd: &mut BufReader<OwnedReadHalf>,
         link: &Arc<dyn Link>,
         closed: &mut watch::Receiver<Closed>,
+        deadline: Option<tokio::time::Instant>,
     ) -> Result<(), String> {
         let mut prefix = [0u8; PREFIX_LEN];
-        Self::read_exact(rd, &mut prefix, closed).await?;
+        Self::read_exact(rd, &mut prefix, closed, deadline).await?;
         let rest = Frame::remaining_len(&prefix).map_err(|e| e.to_string())?;
         let mut header = vec![0u8; PREFIX_LEN + rest];
         header[..PREFIX_LEN].copy_from_slice(&prefix);
-        Self::read_exact(rd, &mut header[PREFIX_LEN..], closed).await?;
+        Self::read_exact(rd, &mut header[PREFIX_LEN..], closed, deadline).await?;
         let payload_len = match Frame::decode(&header) {
             Ok(Frame::Chunk(h)) => h.byte_len,
             Ok(_) => 0,
@@ -330,7 +395,7 @@ impl Reader {
                 let mut left = payload_len;
                 while left > 0 {
                     let n = left.min(scratch.len() as u64) as usize;
-                    Self::read_exact(rd, &mut scratch[..n], closed).await?;
+                    Self::read_exact(rd, &mut scratch[..n], closed, deadline).await?;
                     left -= n as u64;
                 }
                 Ok(())
@@ -347,7 +412,7 @@ impl Reader {
                         // SAFETY: the inbox handed out these host iovecs for this payload and keeps the
                         // destination blocks claimed (exclusively) until on_payload below.
                         let buf = unsafe { std::slice::from_raw_parts_mut(iov.addr as *mut u8, iov.len) };
-                        if let Err(e) = Self::read_exact(rd, buf, closed).await {
+                        if let Err(e) = Self::read_exact(rd, buf, closed, deadline).await {
                             r = Err(e);
                             break;
                         }
