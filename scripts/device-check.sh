@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # One device call: run the CUDA checks of tandem on the GPU machine.
 #
-#   scripts/device-check.sh [kernels] [reference] [model] [cluster] [bench]     (default: all)
+#   scripts/device-check.sh [kernels] [reference] [model] [cluster] [kv] [cluster2] [disagg] [bench]
+#                                                                     (default: all)
 #
 # Expects prebuilt binaries carried in .device/ (build them on the dev machine):
 #   .device/tandem                  the CLI
 #   .device/tests/cuda_kernels-*    cargo test binary (kernels stage)
 #   .device/tests/cuda_engine-*     cargo test binary (model stage)
+#   .device/etcd                    etcd (Debian's etcd-server binary; cluster2 stage)
 #
 # Stages always run in this order, whatever the order of the arguments:
 #   kernels    .device/tests/cuda_kernels-* --include-ignored
 #   reference  python3 scripts/reference/cuda_reference.py /tmp/cuda-ref, then
 #              TANDEM_CUDA_REF=/tmp/cuda-ref for the later stages
 #   model      .device/tests/cuda_engine-* --include-ignored --test-threads=1
-#   cluster    tandem up --device cuda --prompt P == tandem generate --device cuda P
+#   cluster    tandem up --device cuda --prompt P == tandem generate --device cuda P (the
+#              embedded nodes' KV goes device to device through cuda-ipc, `auto`), and the
+#              same with --kv-connector tcp (through the host mirrors)
+#   kv         tandem kv conformance cuda-ipc --device cuda:0 (the suite over device memory),
+#              tandem bench kv --backend cuda-ipc --device cuda:0 (against a raw D2D copy)
+#   cluster2   etcd + router + prefill + decode as separate processes sharing the GPU with
+#              --kv-connector cuda-ipc: client output == generate; a chunk corrupted in flight
+#              (TANDEM_KV_TEST_CORRUPT_CHUNK) is caught and the request served by local
+#              prefill; a prefill node killed mid-request still leaves a correct answer
+#   disagg     tandem bench disagg --device cuda (TTFT through the cluster against the engine
+#              alone, and 256 clients against the engine's offline throughput) $DISAGG_ARGS
 #   bench      .device/tandem bench engine --device cuda --hf-python python3
 #              --hf-script scripts/reference/hf_offline_bench.py $BENCH_ARGS
 #
@@ -23,7 +35,8 @@
 #
 # Environment knobs (all optional):
 #   BENCH_ARGS      extra arguments for `tandem bench engine` (word-split)
-#   TEST_SELECT     which tests the test binaries run (default --include-ignored,
+#   TEST_SELECT     which tests the test binaries run, word-split (default --include-ignored,
+#                   e.g. "--ignored ipc" runs the ignored tests whose names contain ipc;
 #                   i.e. ignored and non-ignored; use --ignored for ignored only)
 #   CMD_TIMEOUT     seconds each command may run (via timeout(1)); unset = no limit.
 #                   A device call is killed at its own limit (600 s) with no summary,
@@ -42,7 +55,7 @@ OUT="${OUT:-/tmp/device-out}"
 PYTHON="${PYTHON:-python3}"
 CUDA_REF_DIR="${CUDA_REF_DIR:-/tmp/cuda-ref}"
 TEST_SELECT="${TEST_SELECT:---include-ignored}"
-ALL_STAGES=(kernels reference model cluster bench)
+ALL_STAGES=(kernels reference model cluster kv cluster2 disagg bench)
 mkdir -p "$OUT"
 
 # ---- which stages -----------------------------------------------------------------
@@ -52,7 +65,7 @@ if (($# == 0)); then
 fi
 for arg in "$@"; do
     case "$arg" in
-        kernels | reference | model | cluster | bench) WANT[$arg]=1 ;;
+        kernels | reference | model | cluster | kv | cluster2 | disagg | bench) WANT[$arg]=1 ;;
         all) for s in "${ALL_STAGES[@]}"; do WANT[$s]=1; done ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "device-check: unknown stage '$arg' (want: ${ALL_STAGES[*]} or all)" >&2; exit 2 ;;
@@ -86,7 +99,8 @@ run_tests() {
     return "$rc"
 }
 
-stage_kernels() { run_tests '.device/tests/cuda_kernels-*' "$TEST_SELECT"; }
+read -ra SELECT <<<"$TEST_SELECT"
+stage_kernels() { run_tests '.device/tests/cuda_kernels-*' "${SELECT[@]}"; }
 
 stage_reference() {
     cmd "$PYTHON" scripts/reference/cuda_reference.py "$CUDA_REF_DIR" || return 1
@@ -97,7 +111,7 @@ stage_reference() {
     return 0
 }
 
-stage_model() { run_tests '.device/tests/cuda_engine-*' "$TEST_SELECT" --test-threads=1 --nocapture; }
+stage_model() { run_tests '.device/tests/cuda_engine-*' "${SELECT[@]}" --test-threads=1 --nocapture; }
 
 # The cluster on one GPU: `tandem up --device cuda` (prefill node + decode node, KV through the
 # CUDA pools' host mirrors over loopback TCP) must print what `tandem generate --device cuda` prints.
@@ -111,7 +125,110 @@ stage_cluster() {
     echo "generate + up took $((SECONDS - t0)) s"
     printf 'generate: %q\nup:       %q\n' "$gen" "$up"
     [[ "$gen" == "$up" ]] || { echo "cluster output differs from generate"; return 1; }
-    echo "cluster == generate"
+    echo "cluster (cuda-ipc) == generate"
+    up=$(cmd .device/tandem up --model "$model" --device cuda --kv-connector tcp --max-tokens 24 --listen 127.0.0.1:0 --prompt "$prompt") || return 1
+    up="${up#tandem up: serving on *$'\n'}"
+    [[ "$gen" == "$up" ]] || { printf 'tcp:      %q\n' "$up"; echo "cluster over tcp differs from generate"; return 1; }
+    echo "cluster (tcp through the host mirrors) == generate"
+}
+
+stage_kv() {
+    cmd .device/tandem kv conformance cuda-ipc --device cuda:0 || return 1
+    cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0 --latency-iters 200 || return 1
+}
+
+# Starts `tandem ARGS...` in the background with its output in $OUT/NAME.log and waits for its
+# "serving on ADDR" line; prints ADDR. The pid goes to $DIR/NAME.pid.
+start_bg() {
+    local name=$1; shift
+    TANDEM_LOG="${TANDEM_LOG:-info}" .device/tandem "$@" >"$OUT/$name.log" 2>&1 &
+    echo $! >"$DIR/$name.pid"
+    local i addr
+    for ((i = 0; i < 600; i++)); do
+        addr=$(sed -n 's/^tandem [a-z]* serving on //p' "$OUT/$name.log" | head -1)
+        [[ -n "$addr" ]] && { echo "$addr"; return 0; }
+        kill -0 "$(cat "$DIR/$name.pid")" 2>/dev/null || { echo "$name exited:" >&2; tail -20 "$OUT/$name.log" >&2; return 1; }
+        sleep 0.1
+    done
+    echo "$name did not start in 60 s" >&2
+    return 1
+}
+
+stop_bg() { [[ -f "$DIR/$1.pid" ]] && kill -9 "$(cat "$DIR/$1.pid")" 2>/dev/null; rm -f "$DIR/$1.pid"; return 0; }
+
+stage_cluster2() {
+    local model="$CUDA_REF_DIR/small"
+    [[ -f "$model/config.json" ]] || { echo "no $model: run the reference stage first"; return 1; }
+    [[ -x .device/etcd ]] || { echo "no .device/etcd (copy Debian's /usr/bin/etcd there)"; return 1; }
+    DIR=$(mktemp -d)
+    .device/etcd --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23791 \
+        --advertise-client-urls http://127.0.0.1:23791 --listen-peer-urls http://127.0.0.1:23801 >"$OUT/etcd.log" 2>&1 &
+    echo $! >"$DIR/etcd.pid"
+    local i
+    for ((i = 0; i < 100; i++)); do
+        (exec 3<>/dev/tcp/127.0.0.1/23791) 2>/dev/null && break
+        sleep 0.1
+    done
+    local rc=0
+    cluster2_body || rc=$?
+    for p in client router prefill decode etcd; do stop_bg "$p"; done
+    return "$rc"
+}
+
+cluster2_body() {
+    local model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23791 router prompt gen got
+    # --gpu-memory-utilization counts what is in use already: the first node takes 0.3 of the GPU,
+    # the next one up to 0.6 (i.e. the rest of its 0.3), a restarted prefill node likewise.
+    local node=(--etcd "$etcd" --ttl 2 --model "$model" --device cuda --kv-connector cuda-ipc)
+    router=$(start_bg router router --etcd "$etcd" --listen 127.0.0.1:0) || return 1
+    start_bg prefill prefill "${node[@]}" --gpu-memory-utilization 0.3 >/dev/null || return 1
+    start_bg decode decode "${node[@]}" --gpu-memory-utilization 0.6 --local-prefill-below 0 >/dev/null || return 1
+    sleep 1
+    prompt="the quick brown fox jumps over the lazy dog and then runs far away into the forest"
+    gen=$(cmd .device/tandem generate --model "$model" --device cuda --max-tokens 24 "$prompt") || return 1
+    got=$(cmd .device/tandem client --router "$router" --max-tokens 24 "$prompt" 2>/dev/null) || return 1
+    printf 'generate: %q\nclient:   %q\n' "$gen" "$got"
+    [[ "$gen" == "$got" ]] || { echo "two-process cluster output differs from generate"; return 1; }
+    grep -q "first KV transfer" "$OUT/prefill.log" || { echo "no transfer logged by the prefill node"; return 1; }
+    grep "first KV transfer" "$OUT/prefill.log" | tail -1
+    grep -q 'backend.*cuda-ipc\|cuda-ipc' "$OUT/prefill.log" || { echo "the prefill node did not use cuda-ipc"; return 1; }
+    echo "two processes on one GPU over cuda-ipc == generate"
+
+    # A chunk corrupted in flight: caught by the receiver's device checksum, served by local prefill.
+    stop_bg prefill
+    TANDEM_KV_TEST_CORRUPT_CHUNK=1 start_bg prefill prefill "${node[@]}" --gpu-memory-utilization 0.6 >/dev/null || return 1
+    sleep 3
+    prompt="a completely different prompt about rivers, mountains and the weather in spring time"
+    gen=$(cmd .device/tandem generate --model "$model" --device cuda --max-tokens 24 "$prompt") || return 1
+    got=$(cmd .device/tandem client --router "$router" --max-tokens 24 "$prompt" 2>/dev/null) || return 1
+    [[ "$gen" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen" "$got"; echo "corrupted transfer: wrong output"; return 1; }
+    grep -q "checksum mismatch" "$OUT/decode.log" || { echo "the decode node did not report the corrupted chunk"; tail -20 "$OUT/decode.log"; return 1; }
+    grep -q "prefilling locally" "$OUT/decode.log" || { echo "the decode node did not fall back"; return 1; }
+    echo "corrupted chunk caught (checksum mismatch), request served by local prefill, output == generate"
+
+    # A prefill node killed while it works: the request still completes correctly.
+    stop_bg prefill
+    start_bg prefill prefill "${node[@]}" --gpu-memory-utilization 0.6 >/dev/null || return 1
+    sleep 3
+    prompt=$(for i in $(seq 1 120); do printf 'sentence %d of a long document about ships. ' "$i"; done)
+    gen=$(cmd .device/tandem generate --model "$model" --device cuda --max-tokens 16 "$prompt") || return 1
+    .device/tandem client --router "$router" --max-tokens 16 "$prompt" >"$DIR/killed.out" 2>"$OUT/client.log" &
+    echo $! >"$DIR/client.pid"
+    sleep 0.2
+    stop_bg prefill
+    wait "$(cat "$DIR/client.pid")" || { echo "the client failed after the prefill node died"; cat "$OUT/client.log"; return 1; }
+    rm -f "$DIR/client.pid"
+    got=$(cat "$DIR/killed.out")
+    [[ "$gen" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen" "$got"; echo "prefill killed: wrong output"; return 1; }
+    echo "prefill node killed mid-request: output == generate"
+    got=$(cmd .device/tandem client --router "$router" --max-tokens 8 "still serving?" 2>/dev/null) || return 1
+    echo "the decode node still serves: $got"
+}
+
+stage_disagg() {
+    local extra=()
+    read -ra extra <<<"${DISAGG_ARGS:-}"
+    cmd .device/tandem bench disagg --device cuda "${extra[@]}"
 }
 
 stage_bench() {
@@ -163,6 +280,9 @@ if [[ -n "${WANT[model]:-}" ]]; then
     run_stage model || true
 fi
 if [[ -n "${WANT[cluster]:-}" ]]; then run_stage cluster || true; fi
+if [[ -n "${WANT[kv]:-}" ]]; then run_stage kv || true; fi
+if [[ -n "${WANT[cluster2]:-}" ]]; then run_stage cluster2 || true; fi
+if [[ -n "${WANT[disagg]:-}" ]]; then run_stage disagg || true; fi
 if [[ -n "${WANT[bench]:-}" ]]; then run_stage bench || true; fi
 
 echo

@@ -15,14 +15,14 @@ use clap::Args;
 use tandem_decode_node::{DecodeNode, DecodeOptions};
 use tandem_kv_transfer::{ConnectorConfig, ConnectorSpec, Fabric};
 use tandem_membership::{Load, Membership, NodeInfo, NodeRole, Registration};
-use tandem_node::{NodeCore, NodeSetup, Peers};
+use tandem_node::{NodeCore, NodeSetup, Peers, Weights};
 use tandem_prefill_node::PrefillNode;
 use tandem_proto::v1 as api;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tandem_router::{Policy, Router};
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 use crate::generate::EngineArgs;
 
@@ -74,8 +74,9 @@ pub(crate) struct NodeArgs {
     /// Host other nodes use to reach this one [default: the listen IP, or 127.0.0.1 if unspecified].
     #[arg(long)]
     advertise: Option<String>,
-    /// KV-transfer backend: tcp, tcp://HOST:PORT, or plugin:/path/lib.so[?config].
-    #[arg(long, default_value = "tcp")]
+    /// KV-transfer backend: auto (cuda-ipc for --device cuda, tcp otherwise), tcp, tcp://HOST:PORT,
+    /// cuda-ipc (GPU pools of one host, written device to device), or plugin:/path/lib.so[?config].
+    #[arg(long, default_value = "auto")]
     kv_connector: String,
     /// This node's id in membership [default: role-host-port].
     #[arg(long)]
@@ -125,6 +126,10 @@ pub(crate) struct UpArgs {
     /// With --prompt: most tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: u32,
+    /// KV-transfer backend between the embedded nodes: auto (cuda-ipc for --device cuda, tcp
+    /// otherwise), tcp or cuda-ipc.
+    #[arg(long, default_value = "auto")]
+    kv_connector: String,
 }
 
 /// `tandem client`.
@@ -165,7 +170,7 @@ pub(crate) struct ClientArgs {
     prompt: String,
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")
 }
 
@@ -203,13 +208,21 @@ fn advertised(listen: SocketAddr, advertise: &Option<String>) -> String {
 
 fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
     let (dir, engine) = args.engine.prepare(true)?;
-    let mut kv_spec: ConnectorSpec = args.kv_connector.parse()?;
+    let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
+    let mut kv_spec = args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu);
     if let (ConnectorSpec::Tcp(opts), Some(host)) = (&mut kv_spec, &args.advertise)
         && opts.advertise.is_none()
     {
         opts.advertise = Some(host.clone());
     }
-    Ok(NodeSetup { model_name: args.engine.model_name(&dir), model_dir: dir, engine, kv_spec, kv_config: ConnectorConfig::default() })
+    Ok(NodeSetup {
+        model_name: args.engine.model_name(&dir),
+        model_dir: dir,
+        weights: Weights::Dir,
+        engine,
+        kv_spec,
+        kv_config: ConnectorConfig::default(),
+    })
 }
 
 type SharedRegistration = Arc<std::sync::Mutex<Option<Registration>>>;
@@ -307,11 +320,18 @@ async fn serve_node(
     }
     service
         .router()
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await
         .context("serving the node API")?;
     let _ = drained_rx.await;
     Ok(())
+}
+
+/// The connections a server accepts, with Nagle's algorithm off (tonic sets it only on listeners it
+/// binds itself): streamed tokens and small replies leave at once instead of waiting for the peer's
+/// delayed ACK (~40 ms on Linux).
+fn incoming(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -352,7 +372,7 @@ pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
 async fn serve_router(router: Router, listener: TcpListener, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     tonic::transport::Server::builder()
         .add_service(router.service())
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop)
+        .serve_with_incoming_shutdown(incoming(listener), stop)
         .await
         .context("serving the client API")
 }
@@ -370,15 +390,74 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
 
 pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let (dir, engine) = args.engine.prepare(true)?;
+    let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
     let model_name = args.engine.model_name(&dir);
     let setup = NodeSetup {
         model_dir: dir,
+        weights: Weights::Dir,
         model_name,
         engine,
-        kv_spec: ConnectorSpec::Tcp(Default::default()),
+        kv_spec: args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu),
         kv_config: ConnectorConfig::default(),
     };
     runtime()?.block_on(async {
+        let opts = EmbeddedOptions { setup, listen: args.listen, policy: args.policy, local_prefill_below: args.local_prefill_below };
+        let cluster = EmbeddedCluster::start(opts).await?;
+        println!("tandem up: serving on {}", cluster.addr);
+        let _ = std::io::stdout().flush();
+        let outcome = match &args.prompt {
+            Some(prompt) => {
+                let req = request(prompt, args.chat, None, "", sampling(args.max_tokens, 0.0, None, None, None, Vec::new()));
+                stream_to_stdout(&cluster.addr.to_string(), req).await
+            }
+            None => {
+                stop_signal().await;
+                Ok(())
+            }
+        };
+        cluster.shutdown().await;
+        outcome
+    })
+}
+
+/// How to start an [`EmbeddedCluster`].
+pub(crate) struct EmbeddedOptions {
+    /// Both nodes' setup; on one GPU the prefill node gets half of `engine.gpu_memory_utilization`.
+    pub(crate) setup: NodeSetup,
+    /// Address the router serves the client API on.
+    pub(crate) listen: SocketAddr,
+    /// Routing policy.
+    pub(crate) policy: Policy,
+    /// The decode node prefills prompts with fewer uncached tokens than this itself (0: never).
+    pub(crate) local_prefill_below: usize,
+}
+
+/// What one embedded node reports about itself.
+pub(crate) struct EmbeddedNode {
+    /// The KV connector's backend name (`Connector::backend`).
+    pub(crate) kv_backend: String,
+    /// Blocks in the node's KV pool.
+    pub(crate) num_blocks: usize,
+}
+
+/// Router + one prefill + one decode node serving in this process with in-memory membership (what
+/// `tandem up` runs). The nodes serve on loopback ports of their own; [`Self::shutdown`] drains them.
+pub(crate) struct EmbeddedCluster {
+    /// Where the router serves the client API.
+    pub(crate) addr: SocketAddr,
+    /// The prefill node.
+    pub(crate) prefill: EmbeddedNode,
+    /// The decode node.
+    pub(crate) decode: EmbeddedNode,
+    stop_tx: tokio::sync::watch::Sender<bool>,
+    router: tokio::task::JoinHandle<anyhow::Result<()>>,
+    nodes: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl EmbeddedCluster {
+    /// Loads both nodes (prefill first), waits until both registered, and starts the router.
+    pub(crate) async fn start(opts: EmbeddedOptions) -> anyhow::Result<EmbeddedCluster> {
+        let setup = opts.setup;
         let membership = Membership::memory();
         let fabric = Fabric::new();
         // On one GPU both engines share the memory budget: `gpu_memory_utilization` counts what is
@@ -387,49 +466,45 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         prefill_setup.engine.gpu_memory_utilization /= 2.0;
         let peers = Peers::new(membership.watch().await?, setup.model_name.clone());
         let prefill = PrefillNode::start(prefill_setup, &fabric, peers.clone()).await?;
-        let opts = DecodeOptions { local_prefill_below: args.local_prefill_below, ..DecodeOptions::default() };
-        let decode = DecodeNode::start(setup, opts, &fabric, peers).await?;
+        let decode_opts = DecodeOptions { local_prefill_below: opts.local_prefill_below, ..DecodeOptions::default() };
+        let decode = DecodeNode::start(setup, decode_opts, &fabric, peers).await?;
+        let report = |core: &NodeCore| EmbeddedNode { kv_backend: core.connector.backend().to_string(), num_blocks: core.num_blocks };
+        let (prefill_report, decode_report) = (report(prefill.core()), report(decode.core()));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|s| *s).await;
-        };
-        let mut tasks = Vec::new();
+        let mut nodes = Vec::new();
         for (service, role) in [(NodeService::Prefill(prefill), "prefill"), (NodeService::Decode(decode), "decode")] {
             let listener = bind("127.0.0.1:0".parse()?).await?;
             let id = default_id(role, &listener);
             let membership = membership.clone();
             let stop = stopped(stop_rx.clone());
-            tasks.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, false, stop).await }));
+            nodes.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, false, stop).await }));
         }
-        let nodes = membership.watch().await?;
+        let watched = membership.watch().await?;
         // Wait until both nodes registered, so the first request finds them.
-        let mut watch = nodes.clone();
+        let mut watch = watched.clone();
         tokio::time::timeout(Duration::from_secs(30), watch.wait_for(|n| n.len() >= 2))
             .await
             .context("the embedded nodes did not register")?
             .context("membership closed")?;
-        let listener = bind(args.listen).await?;
+        let listener = bind(opts.listen).await?;
         let addr = listener.local_addr()?;
-        println!("tandem up: serving on {addr}");
-        let _ = std::io::stdout().flush();
-        let router = tokio::spawn(serve_router(Router::new(nodes, args.policy), listener, stopped(stop_rx.clone())));
-        let outcome = match &args.prompt {
-            Some(prompt) => {
-                let req = request(prompt, args.chat, None, "", sampling(args.max_tokens, 0.0, None, None, None, Vec::new()));
-                stream_to_stdout(&addr.to_string(), req).await
-            }
-            None => {
-                stop_signal().await;
-                Ok(())
-            }
-        };
-        let _ = stop_tx.send(true);
-        let _ = router.await;
-        for t in tasks {
+        let router = tokio::spawn(serve_router(Router::new(watched, opts.policy), listener, stopped(stop_rx)));
+        Ok(EmbeddedCluster { addr, prefill: prefill_report, decode: decode_report, stop_tx, router, nodes })
+    }
+
+    /// Stops the router and drains both nodes (each finishes its requests in flight first).
+    pub(crate) async fn shutdown(self) {
+        let _ = self.stop_tx.send(true);
+        let _ = self.router.await;
+        for t in self.nodes {
             let _ = t.await;
         }
-        outcome
-    })
+    }
+}
+
+/// Resolves once `rx` says stop.
+async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
 }
 
 fn sampling(max_tokens: u32, temperature: f32, top_p: Option<f32>, top_k: Option<u32>, seed: Option<u64>, stop: Vec<String>) -> api::SamplingParams {
@@ -476,7 +551,7 @@ async fn stream_to_stdout(router: &str, req: api::GenerateRequest) -> anyhow::Re
     Ok(())
 }
 
-fn status_error(s: tonic::Status) -> anyhow::Error {
+pub(crate) fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{} ({:?})", s.message(), s.code())
 }
 

@@ -30,19 +30,45 @@ pub(crate) struct KvBenchArgs {
     /// Size of one small transfer in KiB.
     #[arg(long, default_value_t = 64)]
     small_kib: u32,
-    /// Largest chunk the connector sends, in KiB.
+    /// Largest chunk the connector sends, in KiB (host memory; device chunks are whole layers).
     #[arg(long, default_value_t = 1024)]
     chunk_kib: usize,
+    /// Where the pools live: cpu, or cuda:N (device memory of GPU N, for cuda-ipc; the ceiling is then
+    /// a plain device-to-device copy of the same bytes).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+/// `cpu` → None, `cuda` / `cuda:N` → Some(N).
+fn parse_device(s: &str) -> anyhow::Result<Option<i32>> {
+    match s {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<i32>) {
+            Some(Ok(n)) if n >= 0 => Ok(Some(n)),
+            _ => bail!("unknown device {s:?}: expected cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+fn pool(geometry: &Geometry, blocks: u32, device: Option<i32>) -> anyhow::Result<Arc<KvMemory>> {
+    Ok(match device {
+        None => KvMemory::host(geometry.clone(), blocks)?,
+        Some(d) => KvMemory::cuda(geometry.clone(), blocks, d)?,
+    })
 }
 
 /// `tandem kv conformance`.
 #[derive(Args, Debug)]
 pub(crate) struct ConformanceArgs {
-    /// Backend: tcp, inproc, or plugin:/path/lib.so[?config].
+    /// Backend: tcp, inproc, cuda-ipc, or plugin:/path/lib.so[?config].
     spec: String,
     /// Run only this case (see --list).
     #[arg(long)]
     case: Option<String>,
+    /// Where the pools live: cpu, or cuda:N (device memory; runs the device cases).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// List the cases and exit.
     #[arg(long)]
     list: bool,
@@ -60,19 +86,24 @@ pub(crate) fn run_conformance(args: ConformanceArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let spec: ConnectorSpec = args.spec.parse()?;
+    let device = parse_device(&args.device)?;
+    let spec = spec.resolve(device.is_some());
+    let mut suite = Suite::new(spec.clone());
+    if let Some(d) = device {
+        suite = suite.on_device(d);
+    }
     let cases: Vec<&str> = match &args.case {
-        Some(c) if tandem_kv_transfer::conformance::CASES.contains(&c.as_str()) => vec![c.as_str()],
-        Some(c) => bail!("no conformance case {c:?} (see --list)"),
-        None => tandem_kv_transfer::conformance::CASES.to_vec(),
+        Some(c) if suite.cases().contains(&c.as_str()) => vec![c.as_str()],
+        Some(c) => bail!("no conformance case {c:?} for {} (see --list)", args.device),
+        None => suite.cases().to_vec(),
     };
     let rt = runtime()?;
     // A backend that cannot even start (missing library, bad config) is one clear error, not N failures.
     rt.block_on(async {
-        let probe = KvMemory::host(small_geometry(1)?, 1)?;
+        let probe = pool(&small_geometry(1)?, 1, device)?;
         Connector::from_spec(&spec, probe, ConnectorConfig::default(), &Fabric::new()).await?;
         anyhow::Ok(())
     })?;
-    let suite = Suite::new(spec);
     let mut failed = 0;
     for case in &cases {
         let t = Instant::now();
@@ -119,8 +150,8 @@ fn small_geometry(kib: u32) -> anyhow::Result<Geometry> {
     })?)
 }
 
-fn filled(geometry: &Geometry, blocks: u32) -> anyhow::Result<Arc<KvMemory>> {
-    let memory = KvMemory::host(geometry.clone(), blocks)?;
+fn filled(geometry: &Geometry, blocks: u32, device: Option<i32>) -> anyhow::Result<Arc<KvMemory>> {
+    let memory = pool(geometry, blocks, device)?;
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut buf = vec![0u8; geometry.block_bytes()];
     for layer in 0..geometry.num_layers() {
@@ -191,6 +222,30 @@ impl RawPair {
     }
 }
 
+/// What a backend is measured against.
+enum Raw {
+    /// A loopback socket between host buffers.
+    Socket(RawPair),
+    /// One plain device-to-device copy between the two pools.
+    Device { src: Arc<KvMemory>, dst: Arc<KvMemory> },
+}
+
+impl Raw {
+    fn name(&self) -> &'static str {
+        match self {
+            Raw::Socket(_) => "raw socket",
+            Raw::Device { .. } => "raw D2D copy",
+        }
+    }
+
+    async fn once(&mut self, bytes: usize) -> anyhow::Result<Duration> {
+        match self {
+            Raw::Socket(p) => p.once(bytes).await,
+            Raw::Device { src, dst } => Ok(tandem_kv_transfer::raw_device_copy(src, dst, bytes)?),
+        }
+    }
+}
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -221,15 +276,16 @@ fn memcpy_time(bytes: usize) -> Duration {
 }
 
 pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
-    let spec: ConnectorSpec = args.backend.parse()?;
+    let device = parse_device(&args.device)?;
+    let spec = args.backend.parse::<ConnectorSpec>()?.resolve(device.is_some());
     if args.sizes.is_empty() || args.sizes.contains(&0) || args.iters == 0 || args.latency_iters == 0 || args.small_kib == 0 || args.chunk_kib == 0 {
         bail!("sizes, iterations and the small size must all be > 0");
     }
     let rt = runtime()?;
-    rt.block_on(bench(spec, args))
+    rt.block_on(bench(spec, args, device))
 }
 
-async fn bench(spec: ConnectorSpec, args: KvBenchArgs) -> anyhow::Result<()> {
+async fn bench(spec: ConnectorSpec, args: KvBenchArgs, device: Option<i32>) -> anyhow::Result<()> {
     let fabric = Fabric::new();
     let config = ConnectorConfig {
         transfer_timeout: Duration::from_secs(120),
@@ -238,19 +294,25 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs) -> anyhow::Result<()> {
     };
     let max_mib = *args.sizes.iter().max().expect("non-empty");
     let g = big_geometry();
-    let (src, dst) = (filled(&g, max_mib)?, KvMemory::host(g.clone(), max_mib)?);
-    let tx = Connector::from_spec(&spec, src, config.clone(), &fabric).await?;
-    let rx = Connector::from_spec(&spec, dst, config.clone(), &fabric).await?;
-    let mut raw = RawPair::new((max_mib as usize) << 20).await?;
+    let (src, dst) = (filled(&g, max_mib, device)?, pool(&g, max_mib, device)?);
+    let tx = Connector::from_spec(&spec, Arc::clone(&src), config.clone(), &fabric).await?;
+    let rx = Connector::from_spec(&spec, Arc::clone(&dst), config.clone(), &fabric).await?;
+    // The reference moving the same bytes: a loopback socket between host buffers, or one plain
+    // device-to-device copy between the two device pools.
+    let mut raw = match device {
+        None => Raw::Socket(RawPair::new((max_mib as usize) << 20).await?),
+        Some(_) => Raw::Device { src: Arc::clone(&src), dst: Arc::clone(&dst) },
+    };
     println!(
-        "tandem bench kv: backend {} ({}), {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
+        "tandem bench kv: backend {} ({}), pools in {}, {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
         tx.backend(),
         rx.endpoint(),
+        args.device,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         config.max_chunk_bytes >> 10,
         args.iters
     );
-    println!("{:>8}  {:>12}  {:>16}  {:>8}  {:>12}", "size", "tandem GB/s", "raw socket GB/s", "ratio", "memcpy GB/s");
+    println!("{:>8}  {:>12}  {:>16}  {:>8}  {:>12}", "size", "tandem GB/s", format!("{} GB/s", raw.name()), "ratio", "memcpy GB/s");
     for &mib in &args.sizes {
         let bytes = (mib as usize) << 20;
         kv_once(&tx, &rx, mib).await?;
@@ -273,25 +335,31 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs) -> anyhow::Result<()> {
     }
     // Latency of small transfers.
     let sg = small_geometry(args.small_kib)?;
-    let stx = Connector::from_spec(&spec, filled(&sg, 1)?, config.clone(), &fabric).await?;
-    let srx = Connector::from_spec(&spec, KvMemory::host(sg.clone(), 1)?, config, &fabric).await?;
+    let (ssrc, sdst) = (filled(&sg, 1, device)?, pool(&sg, 1, device)?);
+    let stx = Connector::from_spec(&spec, Arc::clone(&ssrc), config.clone(), &fabric).await?;
+    let srx = Connector::from_spec(&spec, Arc::clone(&sdst), config, &fabric).await?;
     let small = (args.small_kib as usize) << 10;
+    let mut raw_small = match device {
+        None => raw,
+        Some(_) => Raw::Device { src: ssrc, dst: sdst },
+    };
     for _ in 0..20 {
         kv_once(&stx, &srx, 1).await?;
-        raw.once(small).await?;
+        raw_small.once(small).await?;
     }
     let (mut kv, mut sock) = (Vec::new(), Vec::new());
     for _ in 0..args.latency_iters {
         kv.push(kv_once(&stx, &srx, 1).await?);
-        sock.push(raw.once(small).await?);
+        sock.push(raw_small.once(small).await?);
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
-        "latency of {} KiB transfers ({} runs): tandem p50 {:.0} us, p99 {:.0} us; raw socket p50 {:.0} us, p99 {:.0} us; p50 ratio {:.2}x",
+        "latency of {} KiB transfers ({} runs): tandem p50 {:.0} us, p99 {:.0} us; {} p50 {:.0} us, p99 {:.0} us; p50 ratio {:.2}x",
         args.small_kib,
         args.latency_iters,
         us(percentile(&kv, 0.5)),
         us(percentile(&kv, 0.99)),
+        raw_small.name(),
         us(percentile(&sock, 0.5)),
         us(percentile(&sock, 0.99)),
         us(percentile(&kv, 0.5)) / us(percentile(&sock, 0.5)),

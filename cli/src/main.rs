@@ -4,6 +4,7 @@
 //! errors, 2 for bad command lines, from clap); nothing here panics on user input.
 
 mod bench;
+mod bench_disagg;
 mod bench_engine;
 mod cluster;
 mod generate;
@@ -84,6 +85,9 @@ enum BenchCommand {
     /// The CUDA engine (Llama-3.1-8B geometry, random bf16 weights) against the device's copy
     /// bandwidth and GEMM rate measured in the same run, and HF transformers on the same GPU.
     Engine(bench_engine::EngineBenchArgs),
+    /// Time to first token and throughput under load through an embedded cluster (router +
+    /// prefill node + decode node), each next to the engine alone on the same random weights.
+    Disagg(bench_disagg::DisaggBenchArgs),
 }
 
 /// Where pulled models live.
@@ -127,6 +131,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Cpu(args)) => bench::run_cpu(args),
         Command::Bench(BenchCommand::Kv(args)) => kv::run_bench(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
+        Command::Bench(BenchCommand::Disagg(args)) => bench_disagg::run(args),
         Command::Kv(KvCommand::Conformance(args)) => kv::run_conformance(args),
         Command::Router(args) => cluster::run_router(args),
         Command::Prefill(args) => cluster::run_prefill(args),

@@ -12,6 +12,13 @@
 //! draws need the token history (penalties), their logits row (top logprobs) or a fork, and every
 //! step in the prefill role, reads its draws before returning.
 //!
+//! KV transfers reach a CUDA pool through one of two memories, whichever is registered first:
+//! its host mirror ([`Engine::transfer_memory`]) or, for transfer backends that move KV in device
+//! memory (CUDA IPC), the pool itself ([`Engine::device_transfer_memory`]). In that
+//! device-transfer mode another stream or process writes received blocks straight into the pool,
+//! so [`Engine::add_remote_request`] first waits until no step in flight can still write the
+//! blocks it hands out (see the overlapped-steps invariant in `ARCHITECTURE.md`).
+//!
 //! Invariants: every request that enters leaves through exactly one finish (stop, length, abort),
 //! and its blocks go back to the pool then; in the prefill role, blocks stay held until
 //! [`Engine::release`]. An unobserved [`Engine::step`] builds nothing for observers; an observed
@@ -190,7 +197,8 @@ struct RequestState {
     scheduled: bool,
     /// Prefill role: the blocks kept for the KV transfer after the prefill finished.
     held: Option<Vec<BlockId>>,
-    /// Decode role: the blocks a KV transfer writes (uploaded to the device at `kv_ready`).
+    /// Decode role: the blocks a KV transfer writes (uploaded to the device at `kv_ready` from the
+    /// host mirror; already in place in device-transfer mode).
     received: Vec<u32>,
 }
 
@@ -361,12 +369,41 @@ impl Engine {
         self.backend.device_mem_info().map(|(free, _)| free)
     }
 
-    /// The host memory KV transfers read and write: the CPU cache itself, or on CUDA a host
-    /// mirror of the pool (allocated on the first call) that prefill steps observed through
-    /// [`Self::step_observed`] copy completing prompts into layer by layer and that
+    /// The host memory KV transfers read and write
+    /// ([`TransferPlace::Host`](crate::model::TransferPlace::Host)): the CPU cache itself, or on
+    /// CUDA a host mirror of the pool (allocated on the first call) that prefill steps observed
+    /// through [`Self::step_observed`] copy completing prompts into layer by layer and that
     /// [`Self::kv_ready`] uploads received blocks from.
+    ///
+    /// On CUDA the first registration chooses the engine's transfer memory for good: after
+    /// [`Self::device_transfer_memory`] there is no mirror, and this returns an empty
+    /// `TransferMemory` (no layers, no blocks) that no registration accepts (and logs an error).
     pub fn transfer_memory(&mut self) -> TransferMemory {
         self.backend.transfer_memory()
+    }
+
+    /// The CUDA engine's KV pool itself as transfer memory, for transfer backends that move KV
+    /// in device memory (CUDA IPC): [`TransferPlace::Device`](crate::model::TransferPlace::Device),
+    /// every layer's block array inside one `cuMemAlloc` allocation, with the allocation's base,
+    /// size and IPC handle (another process maps it with `cuIpcOpenMemHandle`; this process uses
+    /// the addresses directly).
+    ///
+    /// This puts the engine in device-transfer mode for good:
+    /// - an observed prefill step ([`Self::step_observed`]) copies nothing: it reports layer `l`
+    ///   once the device has finished writing that layer's K/V into the pool, and the transfer
+    ///   reads the completing prompts' blocks from the pool on its own stream;
+    /// - [`Self::kv_ready`] copies nothing: the transfer wrote the received blocks in place, and
+    ///   waited for its writes to complete before reporting them;
+    /// - [`Self::add_remote_request`] waits for the compute stream before handing out blocks.
+    ///
+    /// One memory per engine: [`Error::Device`] if [`Self::transfer_memory`] already allocated
+    /// the host mirror (and `transfer_memory` returns nothing usable afterwards). Calling this
+    /// again returns the same memory. On the CPU backend, [`Error::Device`]. The memory stays
+    /// valid while the engine lives; a transfer may touch only blocks the scheduler holds for it
+    /// (a finished prefill's blocks until [`Self::release`], a remote request's until
+    /// [`Self::kv_ready`] or its abort).
+    pub fn device_transfer_memory(&mut self) -> Result<TransferMemory> {
+        self.backend.device_transfer_memory()
     }
 
     /// The host KV cache (read-only), e.g. to send a held request's blocks; `None` when the
@@ -477,8 +514,19 @@ impl Engine {
 
     /// Decode role: allocates blocks for a prompt whose KV another node computes. The request
     /// waits until [`Engine::kv_ready`].
+    ///
+    /// In device-transfer mode ([`Self::device_transfer_memory`]) the blocks are written by
+    /// another stream or process, outside the engine's stream order, while a step in flight
+    /// (async scheduling) may still write K/V into blocks a just-finished or aborted sequence
+    /// freed. So this first waits for the compute stream: no work enqueued before it returns can
+    /// write the blocks it hands out, and nothing enqueued later does (the blocks belong to this
+    /// request until `kv_ready`). The cost is waiting for at most the step in flight, once per
+    /// remote request; with the host mirror or on the CPU it waits for nothing (the upload at
+    /// `kv_ready` is stream-ordered after that step).
     pub fn add_remote_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<(RequestId, RemoteAlloc)> {
         self.validate_request(&prompt, &params)?;
+        // Before allocating: nothing is enqueued between this wait and the hand-out.
+        self.backend.fence_remote_writes()?;
         let (id, mut state) = self.new_state(prompt, params);
         let alloc = self.sched.allocate_remote(NewRequest {
             id,

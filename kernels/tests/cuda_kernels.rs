@@ -1354,3 +1354,501 @@ fn sampling_sanitises_nan_and_inf() {
     ];
     check_sampling(&g, rows, "nan/inf");
 }
+
+// ---------------------------------------------------------------------------------------------
+// KV block copy with the device checksum (GPU-resident KV transfer)
+
+/// A byte pattern no kernel writes: what destination blocks hold before a copy.
+const KV_POISON: u64 = 0x7fc0_0001_dead_beef;
+
+/// `blocks` blocks of random bytes, no 8-byte word zero.
+fn rand_blocks(r: &mut SmallRng, blocks: usize, block_bytes: usize) -> Vec<u8> {
+    (0..blocks * block_bytes / 8)
+        .flat_map(|_| r.random_range(1..=u64::MAX).to_le_bytes())
+        .collect()
+}
+
+fn poisoned_blocks(blocks: usize, block_bytes: usize) -> Vec<u8> {
+    KV_POISON.to_le_bytes().repeat(blocks * block_bytes / 8)
+}
+
+/// `n` distinct block ids below `of`, in random order.
+fn distinct_ids(r: &mut SmallRng, n: usize, of: usize) -> Vec<u32> {
+    use rand::seq::SliceRandom;
+    let mut ids: Vec<u32> = (0..of as u32).collect();
+    ids.shuffle(r);
+    ids.truncate(n);
+    ids
+}
+
+fn kv_list<'a>(array: cuda::BlockArray, ids: &'a CudaSlice<u32>) -> cuda::BlockList<'a> {
+    cuda::BlockList {
+        array,
+        ids: ids.as_view(),
+    }
+}
+
+fn block(bytes: &[u8], id: u32, block_bytes: usize) -> &[u8] {
+    &bytes[id as usize * block_bytes..(id as usize + 1) * block_bytes]
+}
+
+/// The kernel's sum for a chunk whose pair `i` reads `parts[i]` (`None`: a bad id, the poison term).
+fn kv_sum_ref(parts: &[Option<&[u8]>], block_bytes: usize) -> u64 {
+    parts.iter().enumerate().fold(0u64, |acc, (i, p)| {
+        acc.wrapping_add(match p {
+            Some(b) => cpu::kv_checksum_sum((i * block_bytes / 8) as u64, b),
+            None => cuda::KV_BAD_BLOCK_POISON,
+        })
+    })
+}
+
+/// Runs one launch on `stream` and returns the finished checksum (the launch's own counter).
+fn kv_launch(
+    g: &Gpu,
+    stream: &cuda::CudaStream,
+    src: cuda::BlockList<'_>,
+    dst: Option<cuda::BlockList<'_>>,
+    block_bytes: usize,
+) -> u64 {
+    let n = src.ids.len();
+    let mut sum = g.alloc_zeros::<u64>(1).unwrap();
+    g.synchronize().unwrap(); // uploads and the zeroing ran on the Gpu's stream
+    let op = cuda::KvCopy {
+        src,
+        dst,
+        block_bytes: block_bytes as u64,
+        checksum: Some(sum.as_view_mut()),
+    };
+    // SAFETY: both arrays are live device buffers of this Gpu of exactly num_blocks blocks
+    // (BlockArray::of), source and destination are distinct buffers, and the stream is
+    // synchronised before any of them is touched or dropped.
+    unsafe { cuda::kv_copy_blocks(g, stream, op) }.unwrap();
+    stream.synchronize().unwrap();
+    cuda::kv_checksum_finish(down(g, &sum)[0], n, block_bytes as u64)
+}
+
+/// Copies `n` random blocks of a random layer into random blocks of a poisoned one: the chosen
+/// blocks arrive, every other destination block keeps its poison, and the copy's checksum equals
+/// a check-only pass over the destination and the CPU checksum of the gathered bytes.
+fn check_kv_copy(g: &Gpu, stream: &cuda::CudaStream, n: usize, block_bytes: usize, seed: u64) {
+    let mut r = rng(seed);
+    let (src_blocks, dst_blocks) = (2 * n + 3, n + 5);
+    let src_host = rand_blocks(&mut r, src_blocks, block_bytes);
+    let (src_ids, dst_ids) = (
+        distinct_ids(&mut r, n, src_blocks),
+        distinct_ids(&mut r, n, dst_blocks),
+    );
+    let src = g.upload(&src_host).unwrap();
+    let dst = g.upload(&poisoned_blocks(dst_blocks, block_bytes)).unwrap();
+    let (dsi, ddi) = (g.upload(&src_ids).unwrap(), g.upload(&dst_ids).unwrap());
+    let bb = block_bytes as u64;
+    let (src_arr, dst_arr) = (
+        cuda::BlockArray::of(g, &src.as_view(), bb),
+        cuda::BlockArray::of(g, &dst.as_view(), bb),
+    );
+    assert_eq!(src_arr.num_blocks as usize, src_blocks);
+    let what = format!("n={n} block_bytes={block_bytes}");
+    let copied = kv_launch(
+        g,
+        stream,
+        kv_list(src_arr, &dsi),
+        Some(kv_list(dst_arr, &ddi)),
+        block_bytes,
+    );
+    let got = down(g, &dst);
+    let poison = poisoned_blocks(1, block_bytes);
+    for d in 0..dst_blocks as u32 {
+        let want = match dst_ids.iter().position(|&x| x == d) {
+            Some(i) => block(&src_host, src_ids[i], block_bytes),
+            None => &poison[..],
+        };
+        assert!(
+            block(&got, d, block_bytes) == want,
+            "{what}: destination block {d}"
+        );
+    }
+    let want = cpu::kv_checksum(src_ids.iter().map(|&s| block(&src_host, s, block_bytes)));
+    assert_eq!(copied, want, "{what}: copy checksum");
+    let verified = kv_launch(g, stream, kv_list(dst_arr, &ddi), None, block_bytes);
+    assert_eq!(verified, want, "{what}: verification checksum");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn kv_copy_moves_blocks_and_checksums_match_cpu() {
+    let g = gpu();
+    let s = g.stream().clone();
+    let mut seed = 0;
+    for n in [1, 7, 300] {
+        for block_bytes in [16, 48, 2064, 6144, 65536] {
+            seed += 1;
+            check_kv_copy(&g, &s, n, block_bytes, 100 + seed);
+        }
+    }
+}
+
+/// A transfer runs on a stream of its own, not on the Gpu's.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn kv_copy_runs_on_a_second_stream() {
+    let g = gpu();
+    let s2 = g.stream().context().new_stream().unwrap();
+    check_kv_copy(&g, &s2, 33, 6144, 200);
+    check_kv_copy(&g, &s2, 5, 1 << 20, 201);
+}
+
+/// Out-of-range ids (source or destination) are skipped, with no read or write, and make the
+/// sender's checksum differ from the receiver's.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn kv_copy_skips_bad_ids_and_poisons_the_checksum() {
+    let g = gpu();
+    let s = g.stream().clone();
+    let (n, block_bytes, src_blocks, dst_blocks) = (7, 6144, 12, 10);
+    let mut r = rng(300);
+    let src_host = rand_blocks(&mut r, src_blocks, block_bytes);
+    let mut src_ids = distinct_ids(&mut r, n, src_blocks);
+    let mut dst_ids = distinct_ids(&mut r, n, dst_blocks);
+    src_ids[2] = src_blocks as u32 + 3;
+    dst_ids[5] = dst_blocks as u32; // exactly the bound
+    src_ids[6] = u32::MAX;
+    let src = g.upload(&src_host).unwrap();
+    let dst = g.upload(&poisoned_blocks(dst_blocks, block_bytes)).unwrap();
+    let (dsi, ddi) = (g.upload(&src_ids).unwrap(), g.upload(&dst_ids).unwrap());
+    let bb = block_bytes as u64;
+    let (src_arr, dst_arr) = (
+        cuda::BlockArray::of(&g, &src.as_view(), bb),
+        cuda::BlockArray::of(&g, &dst.as_view(), bb),
+    );
+    let copied = kv_launch(
+        &g,
+        &s,
+        kv_list(src_arr, &dsi),
+        Some(kv_list(dst_arr, &ddi)),
+        block_bytes,
+    );
+    let got = down(&g, &dst);
+    let poison = poisoned_blocks(1, block_bytes);
+    let bad = |i: usize| i == 2 || i == 5 || i == 6;
+    for d in 0..dst_blocks as u32 {
+        let want = match dst_ids.iter().position(|&x| x == d) {
+            Some(i) if !bad(i) => block(&src_host, src_ids[i], block_bytes),
+            _ => &poison[..],
+        };
+        assert!(block(&got, d, block_bytes) == want, "destination block {d}");
+    }
+    let sender: Vec<Option<&[u8]>> = (0..n)
+        .map(|i| (!bad(i)).then(|| block(&src_host, src_ids[i], block_bytes)))
+        .collect();
+    let want_copied = kv_sum_ref(&sender, block_bytes) ^ (n * block_bytes) as u64;
+    assert_eq!(copied, want_copied, "copy checksum with bad ids");
+    let verified = kv_launch(&g, &s, kv_list(dst_arr, &ddi), None, block_bytes);
+    let receiver: Vec<Option<&[u8]>> = (0..n)
+        .map(|i| (i != 5).then(|| block(&got, dst_ids[i], block_bytes)))
+        .collect();
+    let want_verified = kv_sum_ref(&receiver, block_bytes) ^ (n * block_bytes) as u64;
+    assert_eq!(
+        verified, want_verified,
+        "verification checksum with bad ids"
+    );
+    assert_ne!(
+        copied, verified,
+        "a transfer with bad ids must fail verification"
+    );
+    // The clean transfer's checksum differs from both.
+    let good: Vec<u32> = (0..n as u32).collect();
+    let clean = cpu::kv_checksum(good.iter().map(|&s| block(&src_host, s, block_bytes)));
+    assert_ne!(copied, clean);
+}
+
+/// Packing blocks into a contiguous staging buffer (destination ids 0..n) and unpacking them into
+/// another layer (source ids 0..n) round trips, with the same checksum on both passes.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn kv_copy_packs_and_unpacks_through_staging() {
+    let g = gpu();
+    let s = g.stream().context().new_stream().unwrap();
+    for (n, block_bytes, seed) in [(1, 16, 400), (7, 6144, 401), (300, 65536, 402)] {
+        let mut r = rng(seed);
+        let blocks = n + 9;
+        let src_host = rand_blocks(&mut r, blocks, block_bytes);
+        let (src_ids, dst_ids) = (
+            distinct_ids(&mut r, n, blocks),
+            distinct_ids(&mut r, n, blocks),
+        );
+        let seq: Vec<u32> = (0..n as u32).collect();
+        let src = g.upload(&src_host).unwrap();
+        let staging = g.upload(&poisoned_blocks(n, block_bytes)).unwrap();
+        let dst = g.upload(&poisoned_blocks(blocks, block_bytes)).unwrap();
+        let (dsi, ddi, dseq) = (
+            g.upload(&src_ids).unwrap(),
+            g.upload(&dst_ids).unwrap(),
+            g.upload(&seq).unwrap(),
+        );
+        let bb = block_bytes as u64;
+        let arr = |b: &CudaSlice<u8>| cuda::BlockArray::of(&g, &b.as_view(), bb);
+        let packed = kv_launch(
+            &g,
+            &s,
+            kv_list(arr(&src), &dsi),
+            Some(kv_list(arr(&staging), &dseq)),
+            block_bytes,
+        );
+        let gathered: Vec<u8> = src_ids
+            .iter()
+            .flat_map(|&i| block(&src_host, i, block_bytes).iter().copied())
+            .collect();
+        let what = format!("n={n} block_bytes={block_bytes}");
+        assert!(
+            down(&g, &staging) == gathered,
+            "{what}: staging holds the gathered blocks"
+        );
+        let unpacked = kv_launch(
+            &g,
+            &s,
+            kv_list(arr(&staging), &dseq),
+            Some(kv_list(arr(&dst), &ddi)),
+            block_bytes,
+        );
+        let want = cpu::kv_checksum([&gathered[..]]);
+        assert_eq!(packed, want, "{what}: pack checksum");
+        assert_eq!(unpacked, want, "{what}: unpack checksum");
+        let got = down(&g, &dst);
+        let poison = poisoned_blocks(1, block_bytes);
+        for d in 0..blocks as u32 {
+            let want = match dst_ids.iter().position(|&x| x == d) {
+                Some(i) => block(&src_host, src_ids[i], block_bytes),
+                None => &poison[..],
+            };
+            assert!(
+                block(&got, d, block_bytes) == want,
+                "{what}: unpacked block {d}"
+            );
+        }
+    }
+}
+
+/// The copy launcher refuses what it cannot launch safely, as `BadShape`; an empty chunk is a
+/// no-op; a copy without a checksum buffer still copies.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn kv_copy_rejects_bad_shapes() {
+    let g = gpu();
+    let s = g.stream().clone();
+    let buf = g.upload(&poisoned_blocks(4, 64)).unwrap();
+    let out = g.upload(&poisoned_blocks(4, 64)).unwrap();
+    let ids = g.upload(&[0u32, 1, 2]).unwrap();
+    let two = g.upload(&[0u32, 1]).unwrap();
+    let mut empty_sum = g.alloc_zeros::<u64>(1).unwrap();
+    let a = cuda::BlockArray::of(&g, &buf.as_view(), 64);
+    let b = cuda::BlockArray::of(&g, &out.as_view(), 64);
+    let launch = |op: cuda::KvCopy<'_>| {
+        // SAFETY: every array is a live buffer of this Gpu; refused launches enqueue nothing and
+        // the accepted ones are synchronised below before the buffers drop.
+        unsafe { cuda::kv_copy_blocks(&g, &s, op) }
+    };
+    let bad = |r: cuda::Result<()>| assert!(matches!(r, Err(GpuError::BadShape(_))), "{r:?}");
+    for block_bytes in [0, 8, 24, 1 << 31] {
+        bad(launch(cuda::KvCopy {
+            src: kv_list(a, &ids),
+            dst: None,
+            block_bytes,
+            checksum: None,
+        }));
+    }
+    let misaligned = cuda::BlockArray {
+        base: a.base + 8,
+        ..a
+    };
+    bad(launch(cuda::KvCopy {
+        src: kv_list(misaligned, &ids),
+        dst: None,
+        block_bytes: 64,
+        checksum: None,
+    }));
+    let null = cuda::BlockArray {
+        base: 0,
+        num_blocks: 4,
+    };
+    bad(launch(cuda::KvCopy {
+        src: kv_list(a, &ids),
+        dst: Some(kv_list(null, &ids)),
+        block_bytes: 64,
+        checksum: None,
+    }));
+    let wraps = cuda::BlockArray {
+        base: u64::MAX - 15,
+        num_blocks: 2,
+    };
+    bad(launch(cuda::KvCopy {
+        src: kv_list(wraps, &ids),
+        dst: None,
+        block_bytes: 64,
+        checksum: None,
+    }));
+    bad(launch(cuda::KvCopy {
+        src: kv_list(a, &ids),
+        dst: Some(kv_list(b, &two)),
+        block_bytes: 64,
+        checksum: None,
+    }));
+    bad(launch(cuda::KvCopy {
+        src: kv_list(a, &ids),
+        dst: None,
+        block_bytes: 64,
+        checksum: Some(empty_sum.slice_mut(0..0)),
+    }));
+    let none = g.upload(&[7u32]).unwrap();
+    launch(cuda::KvCopy {
+        src: cuda::BlockList {
+            array: a,
+            ids: none.slice(0..0),
+        },
+        dst: Some(cuda::BlockList {
+            array: b,
+            ids: none.slice(0..0),
+        }),
+        block_bytes: 64,
+        checksum: Some(empty_sum.as_view_mut()),
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(down(&g, &empty_sum), vec![0], "an empty chunk adds nothing");
+    assert_eq!(cuda::kv_checksum_finish(0, 0, 64), cpu::kv_checksum([]));
+    let host = rand_blocks(&mut rng(500), 4, 64);
+    let src = g.upload(&host).unwrap();
+    let sa = cuda::BlockArray::of(&g, &src.as_view(), 64);
+    g.synchronize().unwrap();
+    launch(cuda::KvCopy {
+        src: kv_list(sa, &ids),
+        dst: Some(kv_list(b, &ids)),
+        block_bytes: 64,
+        checksum: None,
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    let got = down(&g, &out);
+    assert_eq!(&got[..192], &host[..192]);
+    assert_eq!(&got[192..], &poisoned_blocks(1, 64)[..]);
+}
+
+/// `IpcAlloc` and `IpcArrays`: zeroed when made, written and read through `CudaSlice` views like
+/// any buffer, freed exactly once (views leaked, never freed by cudarc), exportable; opening the
+/// handle in the exporting process is an error, not a panic.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn ipc_allocations_are_zeroed_writable_and_exportable() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<cuda::IpcAlloc>();
+    send_sync::<cuda::IpcMapping>();
+    send_sync::<cuda::IpcArrays<bf16>>();
+    let g = gpu();
+    let stream = g.stream().clone();
+    let ctx = stream.context().clone();
+    assert!(matches!(
+        cuda::IpcAlloc::new(&ctx, 0),
+        Err(GpuError::BadShape(_))
+    ));
+
+    // One allocation, written through a view that is leaked before the allocation frees it.
+    let bytes = (3 << 20) + 4096 + 17;
+    let alloc = cuda::IpcAlloc::new(&ctx, bytes).unwrap();
+    assert_eq!(alloc.bytes(), bytes);
+    assert_eq!(alloc.ptr() % 256, 0);
+    // SAFETY: the allocation holds `bytes` zeroed bytes (valid `u8`s); the view is leaked below,
+    // before the allocation is dropped, so cudarc never frees it.
+    let mut view = unsafe { stream.upgrade_device_ptr::<u8>(alloc.ptr(), bytes) };
+    assert!(down(&g, &view).iter().all(|&b| b == 0), "zeroed when made");
+    let data: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8 + 1).collect();
+    g.upload_into(&data, &mut view.as_view_mut()).unwrap();
+    assert_eq!(down(&g, &view), data);
+    assert_eq!(view.leak(), alloc.ptr());
+    let handle = alloc.export().unwrap();
+    assert_ne!(handle, [0u8; 64], "a handle was written");
+    match cuda::IpcMapping::open(&ctx, &handle) {
+        Ok(m) => panic!(
+            "opened an IPC handle in the process that exported it (at {:#x})",
+            m.ptr()
+        ),
+        Err(e) => {
+            let msg = e.to_string();
+            eprintln!("opening our own IPC handle: {msg}");
+            assert!(
+                matches!(e, GpuError::Driver(_)) && msg.contains("IPC"),
+                "{msg}"
+            );
+        }
+    }
+    drop(alloc);
+
+    // Arrays in one allocation: aligned, disjoint, zeroed, each written through its own view,
+    // the padding between them untouched.
+    let (count, len) = (3, 1000);
+    let mut arrays = cuda::IpcArrays::<bf16>::new(&stream, count, len).unwrap();
+    assert_eq!(
+        (arrays.count(), arrays.array_len(), arrays.stride_bytes()),
+        (3, 1000, 2048)
+    );
+    assert!(arrays.alloc().bytes() >= count * 2048);
+    for i in 0..count {
+        assert_eq!(
+            arrays.array_ptr(i),
+            arrays.alloc().ptr() + (i * 2048) as u64
+        );
+        assert_eq!(arrays.array(i).len(), len);
+        let zeros = g.download(&arrays.array(i)).unwrap();
+        assert!(zeros.iter().all(|x| x.to_bits() == 0), "array {i} zeroed");
+    }
+    let mut r = rng(600);
+    let host: Vec<Vec<bf16>> = (0..count).map(|_| rand_bf16(&mut r, len, 1.0)).collect();
+    for (i, h) in host.iter().enumerate() {
+        g.upload_into(h, &mut arrays.array_mut(i)).unwrap();
+    }
+    for (i, h) in host.iter().enumerate() {
+        assert_eq!(&g.download(&arrays.array(i)).unwrap(), h, "array {i}");
+    }
+    let total = arrays.alloc().bytes();
+    // SAFETY: the whole allocation as bytes (any bit pattern is a valid `u8`); leaked below,
+    // before `arrays` frees the allocation.
+    let whole = unsafe { stream.upgrade_device_ptr::<u8>(arrays.alloc().ptr(), total) };
+    let raw = down(&g, &whole);
+    whole.leak();
+    for (i, h) in host.iter().enumerate() {
+        let want: Vec<u8> = h.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
+        assert_eq!(
+            &raw[i * 2048..i * 2048 + 2000],
+            &want[..],
+            "array {i} in place"
+        );
+        assert!(
+            raw[i * 2048 + 2000..(i + 1) * 2048].iter().all(|&b| b == 0),
+            "padding {i}"
+        );
+    }
+    drop(arrays);
+
+    // Dropping frees the allocation (once): the device's free memory comes back.
+    const BIG: usize = 256 << 20;
+    ctx.synchronize().unwrap();
+    let (before, _) = g.mem_info().unwrap();
+    let big = cuda::IpcArrays::<u8>::new(&stream, 2, BIG / 2).unwrap();
+    let (during, _) = g.mem_info().unwrap();
+    drop(big);
+    ctx.synchronize().unwrap();
+    let (after, _) = g.mem_info().unwrap();
+    eprintln!(
+        "free MiB: {} before, {} with 256 MiB of IPC arrays, {} after",
+        before >> 20,
+        during >> 20,
+        after >> 20
+    );
+    assert!(
+        during + (200 << 20) <= before,
+        "the arrays took device memory"
+    );
+    assert!(
+        after >= during + (200 << 20),
+        "dropping the arrays freed it"
+    );
+    g.synchronize().unwrap();
+}

@@ -50,11 +50,35 @@ pub const CASES: &[&str] = &[
     "large_transfer_256mib",
 ];
 
+/// The cases that run on device memory (`Suite::on_device`). The fault cases that rewrite a payload
+/// in host memory (truncated, duplicated, reordered, foreign chunks) are host-only: the checks that
+/// catch them live in the backend-independent core, which the host runs exercise. A corrupted chunk
+/// is injected on the device through the cuda-ipc backend's test hook.
+pub const DEVICE_CASES: &[&str] = &[
+    "round_trip_bit_exact",
+    "layers_land_in_order",
+    "concurrent_64",
+    "zero_block_transfer",
+    "sender_cancel_frees_both_sides",
+    "receiver_cancel_frees_both_sides",
+    "receiver_disappears",
+    "sender_disappears",
+    "corrupted_chunk_detected",
+    "handshake_mismatch_refused",
+    "unknown_destination_fails_fast",
+    "unknown_transfer_rejected",
+    "other_content_refused",
+    "receiver_timeout_frees_blocks",
+    "large_transfer_256mib",
+];
+
 /// How the suite builds connectors for one backend.
 #[derive(Debug, Clone)]
 pub struct Suite {
     spec: ConnectorSpec,
     fabric: Fabric,
+    /// Pools in device memory of this GPU instead of host memory.
+    device: Option<i32>,
 }
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -72,7 +96,26 @@ impl Suite {
             }
             other => other,
         };
-        Suite { spec, fabric: Fabric::new() }
+        Suite { spec, fabric: Fabric::new(), device: None }
+    }
+
+    /// The same suite over pools in device memory of GPU `device` (run [`DEVICE_CASES`]).
+    pub fn on_device(mut self, device: i32) -> Suite {
+        self.device = Some(device);
+        self
+    }
+
+    /// The cases this suite runs: [`CASES`] on the host, [`DEVICE_CASES`] on a device.
+    pub fn cases(&self) -> &'static [&'static str] {
+        if self.device.is_some() { DEVICE_CASES } else { CASES }
+    }
+
+    fn pool(&self, geometry: &Geometry, blocks: u32) -> Result<Arc<KvMemory>, String> {
+        match self.device {
+            None => KvMemory::host(geometry.clone(), blocks),
+            Some(d) => KvMemory::cuda(geometry.clone(), blocks, d),
+        }
+        .map_err(|e| e.to_string())
     }
 
     fn config() -> ConnectorConfig {
@@ -96,6 +139,14 @@ impl Suite {
             ConnectorSpec::Inproc(_) => ConnectorSpec::Inproc(None),
             s => s.clone(),
         };
+        if let (Some(_), Fault::FlipBit(k), ConnectorSpec::CudaIpc(opts)) = (self.device, fault, &self.spec) {
+            // Device payloads are corrupted by the backend itself, on the device, after the copy.
+            let spec = ConnectorSpec::CudaIpc(crate::transport::cuda_ipc::CudaIpcOptions { corrupt_every: Some(k as u64 + 1), ..opts.clone() });
+            return Connector::from_spec(&spec, memory, Suite::config(), &self.fabric).await.map_err(|e| e.to_string());
+        }
+        if self.device.is_some() {
+            return Err(format!("{fault:?} rewrites payloads in host memory: not a device case"));
+        }
         let fabric = self.fabric.clone();
         Connector::build(memory, Suite::config(), move |inbox| async move {
             let inner = make_transport(&spec, &fabric, inbox).await?;
@@ -138,7 +189,7 @@ impl Suite {
     /// Runs every case; returns (name, result, duration) for each.
     pub async fn run_all(&self) -> Vec<(&'static str, CaseResult, Duration)> {
         let mut out = Vec::new();
-        for &name in CASES {
+        for &name in self.cases() {
             let t = Instant::now();
             let r = self.run_case(name).await;
             out.push((name, r, t.elapsed()));
@@ -160,10 +211,6 @@ fn geometry(model: &str, block_size: u32) -> Geometry {
         layout: Layout::KvHeadTokenDim,
     })
     .expect("valid geometry")
-}
-
-fn pool(geometry: &Geometry, blocks: u32) -> Result<Arc<KvMemory>, String> {
-    KvMemory::host(geometry.clone(), blocks).map_err(|e| e.to_string())
 }
 
 /// Fills every block of every layer with seeded random bytes.
@@ -239,7 +286,7 @@ struct Pair {
 
 async fn pair(suite: &Suite, blocks: u32, seed: u64) -> Result<Pair, String> {
     let g = geometry("conformance", 4);
-    let (src, dst) = (pool(&g, blocks)?, pool(&g, blocks)?);
+    let (src, dst) = (suite.pool(&g, blocks)?, suite.pool(&g, blocks)?);
     fill(&src, seed)?;
     fill(&dst, seed ^ 0x5555)?;
     let tx = suite.connector(Arc::clone(&src)).await?;
@@ -439,7 +486,7 @@ async fn sender_disappears(suite: &Suite) -> CaseResult {
 
 async fn fault_case(suite: &Suite, fault: Fault) -> CaseResult {
     let g = geometry("conformance", 4);
-    let (src, dst) = (pool(&g, 64)?, pool(&g, 64)?);
+    let (src, dst) = (suite.pool(&g, 64)?, suite.pool(&g, 64)?);
     fill(&src, 9)?;
     fill(&dst, 10)?;
     let tx = suite.faulty(Arc::clone(&src), fault).await?;
@@ -475,7 +522,7 @@ async fn fault_case(suite: &Suite, fault: Fault) -> CaseResult {
 
 async fn handshake_mismatch(suite: &Suite) -> CaseResult {
     let (g16, g8) = (geometry("conformance", 4), geometry("conformance", 8));
-    let (src, dst) = (pool(&g16, 8)?, pool(&g8, 8)?);
+    let (src, dst) = (suite.pool(&g16, 8)?, suite.pool(&g8, 8)?);
     let tx = suite.connector(Arc::clone(&src)).await?;
     let rx = suite.connector(Arc::clone(&dst)).await?;
     let recv = rx.expect(vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
@@ -494,7 +541,7 @@ async fn handshake_mismatch(suite: &Suite) -> CaseResult {
         matches!(e, Error::Incompatible(m) if m.contains("block_size 8 != 4"))
     })?;
     // A different model is refused too.
-    let other = pool(&Geometry::new(GeometrySpec { model_id: "other-model".into(), ..spec_of(&g8) }).expect("valid"), 8)?;
+    let other = suite.pool(&Geometry::new(GeometrySpec { model_id: "other-model".into(), ..spec_of(&g8) }).expect("valid"), 8)?;
     let tx2 = suite.connector(other).await?;
     let mut s2 = tx2.send(recv.descriptor(), vec![0, 1], BINDING, None);
     if let Ok(s) = &mut s2 {
@@ -618,7 +665,7 @@ async fn large_transfer(suite: &Suite) -> CaseResult {
         layout: Layout::KvHeadTokenDim,
     })
     .expect("valid geometry");
-    let (src, dst) = (pool(&g, 512)?, pool(&g, 512)?);
+    let (src, dst) = (suite.pool(&g, 512)?, suite.pool(&g, 512)?);
     fill(&src, 15)?;
     let tx = suite.connector(Arc::clone(&src)).await?;
     let rx = suite.connector(Arc::clone(&dst)).await?;

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::geometry::Geometry;
 use crate::handle::{RecvHandle, SendHandle};
 use crate::memory::{KvMemory, MemoryKind};
-use crate::transport::{Capabilities, Inbox, Transport, inproc, plugin, tcp};
+use crate::transport::{Capabilities, Inbox, Transport, cuda_ipc, inproc, plugin, tcp};
 
 /// Tunables shared by every backend.
 #[derive(Debug, Clone)]
@@ -88,6 +88,10 @@ pub enum ConnectorSpec {
     Tcp(tcp::TcpOptions),
     /// `inproc` or `inproc://NAME`: same-process peers through an [`inproc::Fabric`].
     Inproc(Option<String>),
+    /// `cuda-ipc`: device pools of the same host, written directly through CUDA IPC.
+    CudaIpc(cuda_ipc::CudaIpcOptions),
+    /// `auto`: the node picks ([`ConnectorSpec::resolve`]): cuda-ipc for a CUDA pool, tcp for a host one.
+    Auto,
     /// `plugin:/path/lib.so` or `plugin:/path/lib.so?config`.
     Plugin {
         /// The shared library.
@@ -101,7 +105,17 @@ impl FromStr for ConnectorSpec {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        let bad = |why: &str| Error::Invalid(format!("KV connector {s:?}: {why} (expected tcp, tcp://HOST:PORT, inproc, or plugin:/path/lib.so[?config])"));
+        let bad = |why: &str| {
+            Error::Invalid(format!(
+                "KV connector {s:?}: {why} (expected auto, tcp, tcp://HOST:PORT, cuda-ipc, inproc, or plugin:/path/lib.so[?config])"
+            ))
+        };
+        if s == "auto" {
+            return Ok(ConnectorSpec::Auto);
+        }
+        if s == "cuda-ipc" {
+            return Ok(ConnectorSpec::CudaIpc(cuda_ipc::CudaIpcOptions::default()));
+        }
         if s == "tcp" {
             return Ok(ConnectorSpec::Tcp(tcp::TcpOptions::default()));
         }
@@ -129,6 +143,24 @@ impl FromStr for ConnectorSpec {
     }
 }
 
+impl ConnectorSpec {
+    /// Resolves `auto` for a pool in device memory (`device: true`) or host memory: cuda-ipc for a
+    /// CUDA pool, tcp for a host one. Other specs are returned as they are.
+    pub fn resolve(self, device: bool) -> ConnectorSpec {
+        match self {
+            ConnectorSpec::Auto if device => ConnectorSpec::CudaIpc(cuda_ipc::CudaIpcOptions::default()),
+            ConnectorSpec::Auto => ConnectorSpec::Tcp(tcp::TcpOptions::default()),
+            other => other,
+        }
+    }
+
+    /// Whether the backend moves blocks in device memory (the node registers its GPU pool for it
+    /// instead of a host copy).
+    pub fn wants_device_memory(&self) -> bool {
+        matches!(self, ConnectorSpec::CudaIpc(_))
+    }
+}
+
 /// A node's KV connector. Must be created and used inside a tokio runtime.
 pub struct Connector {
     core: Arc<Core>,
@@ -152,8 +184,16 @@ impl Connector {
         config: ConnectorConfig,
         fabric: &inproc::Fabric,
     ) -> Result<Connector> {
-        let (spec, fabric) = (spec.clone(), fabric.clone());
-        Connector::build(memory, config, |inbox| async move { make_transport(&spec, &fabric, inbox).await }).await
+        let (spec, fabric, mem) = (spec.clone(), fabric.clone(), Arc::clone(&memory));
+        Connector::build_with(memory, config, |inbox, device| async move {
+            match &spec {
+                ConnectorSpec::CudaIpc(opts) => {
+                    Ok(cuda_ipc::CudaIpcTransport::bind(opts, mem, device, inbox).await? as Arc<dyn Transport>)
+                }
+                _ => make_transport(&spec, &fabric, inbox).await,
+            }
+        })
+        .await
     }
 
     /// Builds a connector over any [`Transport`] (the Rust-side plug point): `make` receives the inbox
@@ -163,19 +203,27 @@ impl Connector {
         F: FnOnce(Arc<dyn Inbox>) -> Fut,
         Fut: std::future::Future<Output = Result<Arc<dyn Transport>>>,
     {
+        Connector::build_with(memory, config, |inbox, _| make(inbox)).await
+    }
+
+    async fn build_with<F, Fut>(memory: Arc<KvMemory>, config: ConnectorConfig, make: F) -> Result<Connector>
+    where
+        F: FnOnce(Arc<dyn Inbox>, Option<Arc<crate::device::DeviceKv>>) -> Fut,
+        Fut: std::future::Future<Output = Result<Arc<dyn Transport>>>,
+    {
         if config.max_chunk_bytes == 0 || config.transfer_timeout.is_zero() || config.connect_timeout.is_zero() {
             return Err(Error::Invalid("chunk size and timeouts must be > 0".into()));
         }
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| Error::Invalid("a KV connector needs a tokio runtime".into()))?;
-        let core = Core::new(Arc::clone(&memory), config, rt);
+        let core = Core::new(Arc::clone(&memory), config, rt)?;
         let inbox: Arc<dyn Inbox> = Arc::clone(&core) as Arc<dyn Inbox>;
-        let transport: Arc<dyn Transport> = make(inbox).await?;
+        let transport: Arc<dyn Transport> = make(inbox, core.device().cloned()).await?;
         let caps = transport.capabilities();
         let needed = match memory.kind() {
             MemoryKind::Host => (Capabilities::HOST_MEMORY, "host memory"),
-            // Verifying device-resident chunks needs device-side checksums, which no backend has yet.
-            MemoryKind::Cuda { .. } => (u64::MAX, "device memory with verified chunks"),
+            // Chunks in device memory are checksummed on the device by the core (`DeviceKv`).
+            MemoryKind::Cuda { .. } => (Capabilities::DEVICE_MEMORY, "device memory"),
         };
         if !caps.has(needed.0) {
             transport.shutdown();
@@ -233,6 +281,13 @@ pub async fn make_transport(spec: &ConnectorSpec, fabric: &inproc::Fabric, inbox
         ConnectorSpec::Tcp(opts) => tcp::TcpTransport::bind(opts, inbox).await? as Arc<dyn Transport>,
         ConnectorSpec::Inproc(name) => fabric.register(name.clone(), inbox)? as Arc<dyn Transport>,
         ConnectorSpec::Plugin { path, config } => plugin::PluginTransport::load(path, config, inbox)? as Arc<dyn Transport>,
+        ConnectorSpec::CudaIpc(_) => {
+            return Err(Error::Unsupported {
+                backend: "cuda-ipc".into(),
+                what: "creation without the connector's memory (use Connector::from_spec)".into(),
+            });
+        }
+        ConnectorSpec::Auto => return Err(Error::Invalid("resolve the `auto` KV connector first (ConnectorSpec::resolve)".into())),
     })
 }
 

@@ -22,6 +22,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::AbortHandle;
 
 use crate::connector::{ConnectorConfig, Metrics, TransferDescriptor};
+use crate::device::{Blocks, DeviceKv};
 use crate::error::{Error, Result};
 use crate::frame::{self, AbortCode, ChunkHeader, Frame, PROTOCOL_VERSION};
 use crate::handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};
@@ -150,6 +151,8 @@ struct Counters {
 /// Shared state of one connector; transports hold it as their [`Inbox`].
 pub(crate) struct Core {
     memory: Arc<KvMemory>,
+    /// Device memory: the GPU side that checksums chunks (and that device backends copy with).
+    device: Option<Arc<DeviceKv>>,
     config: ConnectorConfig,
     rt: Handle,
     endpoint: OnceLock<String>,
@@ -163,9 +166,14 @@ pub(crate) struct Core {
 type Replies = Vec<(Arc<dyn Link>, Frame, bool)>;
 
 impl Core {
-    pub(crate) fn new(memory: Arc<KvMemory>, config: ConnectorConfig, rt: Handle) -> Arc<Core> {
-        Arc::new_cyclic(|me| Core {
+    pub(crate) fn new(memory: Arc<KvMemory>, config: ConnectorConfig, rt: Handle) -> Result<Arc<Core>> {
+        let device = match memory.kind() {
+            MemoryKind::Host => None,
+            MemoryKind::Cuda { device } => Some(Arc::new(DeviceKv::new(device)?)),
+        };
+        Ok(Arc::new_cyclic(|me| Core {
             memory,
+            device,
             config,
             rt,
             endpoint: OnceLock::new(),
@@ -174,7 +182,34 @@ impl Core {
             counters: Counters::default(),
             closed: AtomicBool::new(false),
             me: me.clone(),
-        })
+        }))
+    }
+
+    /// The device side, for device memory.
+    pub(crate) fn device(&self) -> Option<&Arc<DeviceKv>> {
+        self.device.as_ref()
+    }
+
+    /// The checksum of `blocks` of `layer` (whose iovecs are `iovs`): on the host, or on the device
+    /// for device memory.
+    fn chunk_checksum(&self, layer: u32, blocks: &[u32], iovs: &[Iov]) -> Result<u64> {
+        match &self.device {
+            None => Ok(checksum_iovs(iovs)),
+            Some(device) => {
+                let m = &self.memory;
+                let at = Blocks { base: m.layer_base(layer) as u64, num_blocks: m.num_blocks(), ids: blocks };
+                device.checksum(at, m.geometry().block_bytes())
+            }
+        }
+    }
+
+    /// Blocks per chunk: bounded by the configured chunk bytes on the host; device chunks take the
+    /// protocol's most (a chunk is one kernel launch there, and bytes cost nothing to hold).
+    fn blocks_per_chunk(&self) -> usize {
+        match self.device {
+            None => (self.config.max_chunk_bytes / self.memory.geometry().block_bytes()).clamp(1, MAX_CHUNK_BLOCKS as usize),
+            Some(_) => MAX_CHUNK_BLOCKS as usize,
+        }
     }
 
     pub(crate) fn set_endpoint(&self, endpoint: String) {
@@ -495,12 +530,12 @@ impl Core {
             Ok(()) if doomed => Ok(()),
             Ok(()) => {
                 let start = h.block_start as usize;
-                let iovs = self.memory.iovs(h.layer, &blocks[start..start + h.block_count as usize]);
-                let sum = checksum_iovs(&iovs);
-                if sum == h.checksum {
-                    Ok(())
-                } else {
-                    Err(Error::Integrity {
+                let chunk = &blocks[start..start + h.block_count as usize];
+                let iovs = self.memory.iovs(h.layer, chunk);
+                match self.chunk_checksum(h.layer, chunk, &iovs) {
+                    Err(e) => Err(e),
+                    Ok(sum) if sum == h.checksum => Ok(()),
+                    Ok(_) => Err(Error::Integrity {
                         id,
                         reason: format!(
                             "checksum mismatch in layer {} blocks {}..{}",
@@ -508,7 +543,7 @@ impl Core {
                             h.block_start,
                             h.block_start + h.block_count
                         ),
-                    })
+                    }),
                 }
             }
         };
@@ -878,7 +913,7 @@ impl SendJob {
 
         let n = self.claim.blocks().len();
         let bb = memory.geometry().block_bytes();
-        let per_chunk = (core.config.max_chunk_bytes / bb).clamp(1, MAX_CHUNK_BLOCKS as usize);
+        let per_chunk = core.blocks_per_chunk();
         let num_layers = memory.geometry().num_layers();
         if n > 0 {
             for layer in 0..num_layers {
@@ -902,7 +937,7 @@ impl SendJob {
                         block_start: first as u32,
                         block_count: count as u32,
                         byte_len: (count * bb) as u64,
-                        checksum: checksum_iovs(&iovs),
+                        checksum: core.chunk_checksum(layer, blocks, &iovs)?,
                     };
                     if *cancel.borrow() {
                         return Err(cancelled);

@@ -80,6 +80,9 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// A CUDA call of a device-memory transfer failed (driver, kernel, IPC mapping).
+    #[error("KV transfer device error: {0}")]
+    Device(String),
     /// The connector is shutting down.
     #[error("KV connector is shut down")]
     Shutdown,

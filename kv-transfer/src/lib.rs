@@ -15,6 +15,7 @@
 
 mod connector;
 mod core;
+mod device;
 mod error;
 pub mod frame;
 mod geometry;
@@ -27,8 +28,9 @@ pub mod conformance;
 
 pub use connector::{Connector, ConnectorConfig, ConnectorSpec, Metrics, TransferDescriptor, make_transport};
 pub use core::MAX_CHUNK_BLOCKS;
+pub use device::raw_device_copy;
 pub use error::{Error, Result};
 pub use geometry::{DType, Geometry, GeometrySpec, Layout};
 pub use handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};
-pub use memory::{Iov, KvMemory, MemoryKind};
+pub use memory::{DeviceAllocation, Iov, KvMemory, MemoryKind};
 pub use transport::inproc::Fabric;

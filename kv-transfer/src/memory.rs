@@ -42,6 +42,16 @@ pub struct Iov {
     pub kind: MemoryKind,
 }
 
+/// The one device allocation holding every layer of a device pool: what CUDA IPC exports (a
+/// `cuMemAlloc` allocation; stream-ordered pool memory cannot be exported).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceAllocation {
+    /// Device address of the allocation's first byte.
+    pub base: u64,
+    /// Its size in bytes.
+    pub bytes: usize,
+}
+
 const WRITER: i32 = -1;
 const ALIGN: usize = 64;
 
@@ -57,6 +67,8 @@ pub struct KvMemory {
     claimed: AtomicUsize,
     /// Keeps externally registered memory alive; `None` for memory this type allocated itself.
     _owner: Option<Box<dyn Any + Send + Sync>>,
+    /// Device memory: the allocation every layer lies in.
+    allocation: Option<DeviceAllocation>,
     owned: bool,
 }
 
@@ -103,6 +115,7 @@ impl KvMemory {
             kind: MemoryKind::Host,
             layers,
             _owner: None,
+            allocation: None,
             owned: true,
         }))
     }
@@ -140,8 +153,41 @@ impl KvMemory {
             kind,
             layers: layer_bases.into_iter().map(|p| p as usize).collect(),
             _owner: Some(owner),
+            allocation: None,
             owned: false,
         }))
+    }
+
+    /// Registers device memory of GPU `device` owned by someone else (a CUDA engine's pool): every layer
+    /// lies inside `allocation`, which device backends export to their peers (CUDA IPC).
+    ///
+    /// # Safety
+    /// As [`KvMemory::from_raw`], with device addresses: each `layer_bases[l]` points to
+    /// `num_blocks * geometry.block_bytes()` bytes of device memory of `device` inside `allocation`,
+    /// valid while the returned memory lives, and the owner does not touch claimed blocks.
+    pub unsafe fn from_device(
+        geometry: Geometry,
+        num_blocks: u32,
+        device: i32,
+        allocation: DeviceAllocation,
+        layer_bases: Vec<u64>,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Result<Arc<KvMemory>> {
+        let layer_bytes = Self::layer_bytes(&geometry, num_blocks)? as u64;
+        let end = allocation.base.checked_add(allocation.bytes as u64);
+        if let Some(l) = layer_bases.iter().position(|&b| b < allocation.base || end.is_none_or(|e| b.checked_add(layer_bytes).is_none_or(|le| le > e))) {
+            return Err(Error::Invalid(format!("layer {l} lies outside the device allocation")));
+        }
+        let bases = layer_bases.iter().map(|&b| b as usize as *mut u8).collect();
+        // SAFETY: forwarded from the caller (device addresses are never dereferenced on the host).
+        let mut memory = unsafe { KvMemory::from_raw(geometry, num_blocks, MemoryKind::Cuda { device }, bases, owner)? };
+        Arc::get_mut(&mut memory).expect("just created").allocation = Some(allocation);
+        Ok(memory)
+    }
+
+    /// Device memory: the allocation every layer lies in.
+    pub fn device_allocation(&self) -> Option<DeviceAllocation> {
+        self.allocation
     }
 
     fn layer_bytes(geometry: &Geometry, num_blocks: u32) -> Result<usize> {
@@ -244,6 +290,13 @@ impl KvMemory {
         if self.kind != MemoryKind::Host {
             return Err(Error::Unsupported { backend: "KvMemory".into(), what: "safe access to device memory".into() });
         }
+        self.check_block(layer, block, len)
+    }
+
+    fn check_block(&self, layer: u32, block: u32, len: usize) -> Result<()> {
+        if block >= self.num_blocks {
+            return Err(Error::Invalid(format!("block {block} out of range (pool has {} blocks)", self.num_blocks)));
+        }
         if layer >= self.geometry.num_layers() {
             return Err(Error::Invalid(format!("layer {layer} out of range")));
         }
@@ -254,8 +307,50 @@ impl KvMemory {
         Ok(())
     }
 
+    /// Base address of `layer`'s block array; `layer` must be in range.
+    pub(crate) fn layer_base(&self, layer: u32) -> usize {
+        self.layers[layer as usize]
+    }
+
+    /// Where an iovec of this memory lies: `(layer, first block, blocks)`; `None` unless it covers
+    /// whole blocks of one layer.
+    pub(crate) fn locate(&self, iov: &Iov) -> Option<(u32, u32, u32)> {
+        let bb = self.geometry.block_bytes();
+        let layer_bytes = self.num_blocks as usize * bb;
+        if iov.kind != self.kind || bb == 0 || iov.len == 0 || !iov.len.is_multiple_of(bb) {
+            return None;
+        }
+        let layer = self.layers.iter().position(|&base| iov.addr >= base && iov.addr + iov.len <= base + layer_bytes)?;
+        let offset = iov.addr - self.layers[layer];
+        if !offset.is_multiple_of(bb) {
+            return None;
+        }
+        Some((layer as u32, (offset / bb) as u32, (iov.len / bb) as u32))
+    }
+
+    /// Block ids (with their layer) that `iovs` cover, in order; `None` unless they are whole blocks of
+    /// one layer.
+    pub(crate) fn blocks_of(&self, iovs: &[Iov]) -> Option<(u32, Vec<u32>)> {
+        let mut layer = None;
+        let mut ids = Vec::new();
+        for iov in iovs {
+            let (l, first, n) = self.locate(iov)?;
+            if *layer.get_or_insert(l) != l {
+                return None;
+            }
+            ids.extend(first..first + n);
+        }
+        Some((layer.unwrap_or(0), ids))
+    }
+
     /// Copies `data` (exactly one block) into `block` of `layer`. Fails if a transfer claims the block.
+    /// Device memory is written with a synchronous copy.
     pub fn write_block(self: &Arc<Self>, layer: u32, block: u32, data: &[u8]) -> Result<()> {
+        if let MemoryKind::Cuda { device } = self.kind {
+            self.check_block(layer, block, data.len())?;
+            let _claim = self.claim(&[block], true)?;
+            return crate::device::write(device, self.block_addr(layer, block) as u64, data);
+        }
         self.check_host_block(layer, block, data.len())?;
         let _claim = self.claim(&[block], true)?;
         // SAFETY: host memory, block in range (claim checked it), we hold the exclusive claim so no transfer
@@ -268,6 +363,11 @@ impl KvMemory {
 
     /// Copies `block` of `layer` into `out` (exactly one block). Fails if a transfer writes the block.
     pub fn read_block(self: &Arc<Self>, layer: u32, block: u32, out: &mut [u8]) -> Result<()> {
+        if let MemoryKind::Cuda { device } = self.kind {
+            self.check_block(layer, block, out.len())?;
+            let _claim = self.claim(&[block], false)?;
+            return crate::device::read(device, self.block_addr(layer, block) as u64, out);
+        }
         self.check_host_block(layer, block, out.len())?;
         let _claim = self.claim(&[block], false)?;
         // SAFETY: host memory, block in range, a shared claim excludes writers, `out` is a distinct buffer.

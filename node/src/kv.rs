@@ -10,9 +10,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tandem_engine::model::KvDType;
+use tandem_engine::model::{KvDType, TransferPlace};
 use tandem_engine::{Device, Engine};
-use tandem_kv_transfer::{DType, Geometry, GeometrySpec, KvMemory, Layout, MemoryKind};
+use tandem_kv_transfer::{DType, DeviceAllocation, Geometry, GeometrySpec, KvMemory, Layout, MemoryKind};
 
 use crate::error::NodeError;
 
@@ -59,12 +59,31 @@ pub fn kv_geometry(engine: &Engine, model_id: &str) -> Result<Geometry, NodeErro
     })?)
 }
 
-/// Registers the engine's KV cache for transfers. The caller must hand the returned memory to the engine
-/// thread with the engine (see [`crate::EngineThread::spawn`]), which keeps the engine alive until every
-/// other reference to the memory is gone.
+/// Registers the engine's KV cache for transfers: in host memory (the CPU cache, or the CUDA pool's
+/// host mirror), or with `device` the CUDA pool itself in device memory (for device backends such as
+/// cuda-ipc). The caller must hand the returned memory to the engine thread with the engine (see
+/// [`crate::EngineThread::spawn`]), which keeps the engine alive until every other reference to the
+/// memory is gone.
 #[allow(unsafe_code)]
-pub fn register_kv(engine: &mut Engine, model_id: &str) -> Result<Arc<KvMemory>, NodeError> {
+pub fn register_kv(engine: &mut Engine, model_id: &str, device: bool) -> Result<Arc<KvMemory>, NodeError> {
     let geometry = kv_geometry(engine, model_id)?;
+    if device {
+        let mem = engine.device_transfer_memory()?;
+        let TransferPlace::Device { ordinal, allocation, allocation_bytes, .. } = mem.place else {
+            return Err(NodeError::Internal("the engine's device transfer memory is not in device memory".into()));
+        };
+        if mem.dtype != KvDType::Bf16 || geometry.dtype() != DType::BF16 {
+            return Err(NodeError::Internal("the CUDA pool is expected in bf16".into()));
+        }
+        let bases = mem.layer_bases.iter().map(|&p| p as u64).collect();
+        let ordinal = i32::try_from(ordinal).map_err(|_| NodeError::Internal(format!("device ordinal {ordinal}")))?;
+        let allocation = DeviceAllocation { base: allocation, bytes: allocation_bytes };
+        // SAFETY: the bases are the CUDA engine's pool layers, inside its one IPC-exportable allocation,
+        // valid for the engine's lifetime, which the engine thread extends past the memory's last other
+        // user; blocks under transfer are held by the scheduler (module invariant), and in device-transfer
+        // mode the engine neither mirrors nor uploads them.
+        return Ok(unsafe { KvMemory::from_device(geometry, mem.num_blocks as u32, ordinal, allocation, bases, Box::new(()))? });
+    }
     let mem = engine.transfer_memory();
     let want = match mem.dtype {
         KvDType::F32 => DType::F32,

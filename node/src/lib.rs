@@ -11,4 +11,4 @@ mod setup;
 pub use engine_thread::{EngineThread, Event, TransferPlan};
 pub use error::NodeError;
 pub use peers::{PEER_WAIT, Peers};
-pub use setup::{NodeCore, NodeSetup, tokenizer_files_from_map, tokenizer_files_to_map};
+pub use setup::{NodeCore, NodeSetup, Weights, tokenizer_files_from_map, tokenizer_files_to_map};

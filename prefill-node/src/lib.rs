@@ -6,7 +6,8 @@
 //! Invariants: a cancelled call (the decode node gave up) cancels its transfer and frees its blocks; held
 //! blocks are released exactly once, after the transfer ended.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tandem_engine::sched::Role;
@@ -26,13 +27,15 @@ pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct PrefillNode {
     core: Arc<NodeCore>,
     peers: Peers,
+    /// KV endpoints this node has sent to (the first transfer to each is logged with its backend).
+    reached: Arc<Mutex<HashSet<String>>>,
 }
 
 impl PrefillNode {
     /// Loads the model and starts the engine and the KV connector. KV is pushed only to the endpoints
     /// of decode nodes that `peers` lists.
     pub async fn start(setup: NodeSetup, fabric: &Fabric, peers: Peers) -> Result<PrefillNode, NodeError> {
-        Ok(PrefillNode { core: Arc::new(NodeCore::start(setup, Role::Prefill, fabric).await?), peers })
+        Ok(PrefillNode { core: Arc::new(NodeCore::start(setup, Role::Prefill, fabric).await?), peers, reached: Arc::default() })
     }
 
     /// The shared node parts (engine, connector, info).
@@ -45,7 +48,8 @@ impl PrefillNode {
         PrefillServer::new(self.clone())
     }
 
-    async fn run(core: Arc<NodeCore>, peers: Peers, req: node::PrefillRequest, done: &mut oneshot::Sender<()>) -> Result<node::PrefillResponse, NodeError> {
+    async fn run(self, req: node::PrefillRequest, done: &mut oneshot::Sender<()>) -> Result<node::PrefillResponse, NodeError> {
+        let PrefillNode { core, peers, reached } = self;
         let started = Instant::now();
         core.check_tokens(&req.prompt)?;
         let params = convert::sampling_from_proto(req.sampling.as_ref())?;
@@ -73,6 +77,7 @@ impl PrefillNode {
                 "the KV descriptor is bound to another prompt than the one to prefill".into(),
             ));
         }
+        let endpoint = descriptor.endpoint.clone();
         let plan = TransferPlan { descriptor, skip_blocks: skip, binding, timeout: TRANSFER_TIMEOUT };
         let (id, mut events) = core.engine.add(req.prompt.clone(), params, Some(plan)).await?;
         let mut guard = AbortOnDrop { core: &core, id: Some(id) };
@@ -100,6 +105,15 @@ impl PrefillNode {
         guard.id = None;
         core.engine.release(id);
         let stats = verdict?;
+        if lock(&reached).insert(endpoint.clone()) {
+            tracing::info!(
+                peer = %endpoint,
+                backend = core.connector.backend(),
+                bytes = stats.bytes,
+                gb_per_s = format!("{:.2}", stats.bytes_per_sec() / 1e9),
+                "first KV transfer to this decode node"
+            );
+        }
         let first = *output.token_ids.first().ok_or_else(|| NodeError::Internal("no first token".into()))?;
         tracing::info!(
             request_id = %req.request_id,
@@ -120,6 +134,10 @@ impl PrefillNode {
             prefill_micros: (prefill_done - started).as_micros() as u64,
         })
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Aborts the engine request unless disarmed (the handler was cancelled or failed midway).
@@ -144,8 +162,8 @@ impl Prefill for PrefillNode {
         // The work runs in its own task so that a cancelled call still cleans up (cancel the transfer
         // before freeing blocks); the task learns of the cancellation when `rx` is dropped.
         let (mut tx, rx) = oneshot::channel::<()>();
-        let (core, peers) = (Arc::clone(&self.core), self.peers.clone());
-        let task = tokio::spawn(async move { PrefillNode::run(core, peers, req, &mut tx).await }.instrument(span));
+        let node = self.clone();
+        let task = tokio::spawn(async move { node.run(req, &mut tx).await }.instrument(span));
         let _keep = rx;
         match task.await {
             Ok(r) => r.map(Response::new).map_err(Status::from),

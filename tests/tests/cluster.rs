@@ -429,13 +429,19 @@ async fn sigterm_drains_a_decode_node() {
     let mut client = cluster.client().await;
     let mut req = text_request("Describe the sea in detail.", 48);
     req.sampling.as_mut().unwrap().ignore_eos = true;
-    let call = tokio::spawn(async move { collect(&mut client, req).await });
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut stream = client.generate(req).await.expect("start").into_inner();
+    // Terminate once the decode node is streaming the request (a fixed sleep raced a loaded machine).
+    let first = stream.next().await.expect("a token").expect("ok");
     let decode = &mut cluster.decode[0];
     let exited_cleanly = tokio::task::block_in_place(|| decode.terminate(Duration::from_secs(30)));
-    let (_, ids, usage) = call.await.unwrap().expect("the in-flight request finishes during the drain");
+    let (mut ids, mut usage) = (first.token_ids, first.usage);
+    while let Some(msg) = stream.next().await {
+        let msg = msg.expect("the in-flight request finishes during the drain");
+        ids.extend(msg.token_ids);
+        usage = usage.or(msg.usage);
+    }
     assert_eq!(ids.len(), 48);
-    assert_eq!(usage.completion_tokens, 48);
+    assert_eq!(usage.expect("usage").completion_tokens, 48);
     assert!(exited_cleanly, "the decode node did not exit cleanly after SIGTERM");
     cluster.wait_health(1, 0).await;
 }

@@ -56,3 +56,75 @@ fn bad_specs_and_arguments_are_refused() {
     let err = fails(&["bench", "kv", "--backend", "plugin:"]);
     assert!(err.contains("empty plugin path"), "{err}");
 }
+
+/// The values of a report row: the whitespace-separated fields after `label_end`, without units.
+fn row_values<'a>(out: &'a str, starts: &str, label_end: &str) -> Vec<&'a str> {
+    let row = out
+        .lines()
+        .find(|l| l.starts_with(starts))
+        .unwrap_or_else(|| panic!("no {starts:?} row: {out}"));
+    let (_, values) = row.split_once(label_end).unwrap_or_else(|| panic!("{row}"));
+    values
+        .split_whitespace()
+        .filter(|v| !matches!(*v, "ms" | "t/s"))
+        .collect()
+}
+
+#[test]
+fn bench_disagg_compares_the_cluster_with_the_engine_alone() {
+    let tokenizer = tandem_tests::fixture("tiny/llama");
+    let mut args: Vec<&str> =
+        "bench disagg --device cpu --model-config tiny --prompt-len 64 --requests 2 \
+        --clients 8 --load-prompt-len 16 --load-output-len 8 --timeout-s 60 --tokenizer-dir"
+            .split_whitespace()
+            .collect();
+    args.push(tokenizer.to_str().unwrap());
+    let out = stdout_of(&args);
+    assert!(
+        out.contains("tiny geometry") && out.contains("KV backend tcp"),
+        "{out}"
+    );
+    let number = |v: &str| -> f64 {
+        v.trim_end_matches(['x', '%'])
+            .parse()
+            .unwrap_or_else(|_| panic!("{v:?} in {out}"))
+    };
+    // TTFT: engine alone, cluster, cluster / engine alone.
+    let ttft = row_values(&out, "TTFT, 64-token prompt (median of 2)", ")");
+    let (engine, cluster, ratio) = (number(ttft[0]), number(ttft[1]), number(ttft[2]));
+    assert!(
+        engine > 0.0 && cluster > 0.0 && ttft[2].ends_with('x'),
+        "{out}"
+    );
+    assert!(
+        (ratio - cluster / engine).abs() <= 0.01 * ratio + 0.01,
+        "{out}"
+    );
+    // Throughput under load: engine alone offline, cluster, cluster as a percentage of it.
+    let load = row_values(&out, "load 8 x 16/8 output tok/s", "tok/s");
+    let (engine, cluster, percent) = (number(load[0]), number(load[1]), number(load[2]));
+    assert!(
+        engine > 0.0 && cluster > 0.0 && load[2].ends_with('%'),
+        "{out}"
+    );
+    assert!(
+        (percent - cluster / engine * 100.0).abs() <= 0.01 * percent + 0.2,
+        "{out}"
+    );
+    // Per-request TTFTs: the warm-up and the 2 timed requests, on each side.
+    for side in ["engine alone", "cluster"] {
+        let (_, times) = out
+            .lines()
+            .find_map(|l| l.split_once(&format!("): {side} ")))
+            .unwrap_or_else(|| panic!("{side}: {out}"));
+        assert_eq!(
+            times
+                .split_whitespace()
+                .map(number)
+                .filter(|t| *t > 0.0)
+                .count(),
+            3,
+            "{out}"
+        );
+    }
+}

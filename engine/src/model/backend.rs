@@ -4,13 +4,16 @@
 //! drives (`Cpu`: f32 [`Model`] + host [`KvCache`]; `Cuda`: bf16 [`CudaModel`] with its KV pool in
 //! device memory). The engine talks to the backend through four operations: a forward pass over
 //! a batch of chunks, a block copy (copy-on-write), sampling (host logits through the engine's
-//! per-sequence samplers, device logits through [`Backend::sample_on_device`]) and, on the CPU,
-//! the host KV cache for transfers.
+//! per-sequence samplers, device logits through [`Backend::sample_on_device`]) and the memory KV
+//! transfers use ([`TransferMemory`]: the host cache on the CPU; on CUDA the pool's host mirror,
+//! or the pool itself in device memory).
 //!
 //! Invariants: both backends take the same [`BatchChunk`]s and keep the same paged layout
 //! (`[num_blocks][K, V][kv_heads][block_size][head_dim]` per layer; f32 on the CPU, bf16 on the
 //! device); a missing GPU or CUDA library is a typed [`Error::Device`] when the engine is built,
-//! never a panic or a silent fall-back to the CPU.
+//! never a panic or a silent fall-back to the CPU. A CUDA backend's transfers go through exactly
+//! one of the host mirror and the device pool, fixed by the first registration (see
+//! [`CudaModel::device_transfer_memory`]).
 
 use std::fmt;
 use std::path::Path;
@@ -96,8 +99,9 @@ pub(crate) enum Backend {
     Cuda(Box<CudaModel>),
 }
 
-/// A forward pass's layer observer: the blocks whose K/V must be readable on the host when a
-/// layer is reported, and the callback (given the CPU cache, or `None` for the CUDA mirror).
+/// A forward pass's layer observer: the blocks whose K/V must be readable by a transfer when a
+/// layer is reported (on the host, or in the CUDA pool itself in device-transfer mode), and the
+/// callback (given the CPU cache, or `None` on CUDA).
 pub(crate) struct LayerObserver<'a> {
     pub(crate) stage: &'a [u32],
     pub(crate) on_layer: &'a mut dyn FnMut(usize, Option<&KvCache>),
@@ -108,20 +112,47 @@ pub(crate) struct LayerObserver<'a> {
 pub enum KvDType {
     /// The CPU engine's f32 cache.
     F32,
-    /// The CUDA engine's bf16 pool (through its host mirror).
+    /// The CUDA engine's bf16 pool (its host mirror, or the pool itself in device memory).
     Bf16,
 }
 
-/// Host memory holding the KV pool's blocks for transfers: per layer one buffer of
-/// `num_blocks` blocks in the paged layout.
+/// Where [`TransferMemory`] lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferPlace {
+    /// Host memory of this process: the CPU engine's cache or the CUDA pool's host mirror.
+    Host,
+    /// The CUDA engine's pool itself, in device memory: every layer's block array lies inside
+    /// one `cuMemAlloc` allocation that other processes can map through CUDA IPC. Transfers
+    /// read and write it on their own streams (see [`crate::Engine::device_transfer_memory`]).
+    Device {
+        /// The GPU's ordinal (`cuda:N`).
+        ordinal: usize,
+        /// Device address (`CUdeviceptr`) of the allocation's first byte.
+        allocation: u64,
+        /// Size of the allocation in bytes: every layer base plus its layer's blocks lies inside.
+        allocation_bytes: usize,
+        /// The allocation's CUDA IPC handle (the opaque bytes of a `CUipcMemHandle`), for
+        /// `cuIpcOpenMemHandle` in another process; a user in this process uses the addresses
+        /// directly (CUDA refuses to open a handle in the process that exported it).
+        ipc_handle: [u8; 64],
+    },
+}
+
+/// Memory holding the KV pool's blocks for transfers: per layer one buffer of `num_blocks`
+/// blocks in the paged layout, on the host or on the device ([`Self::place`]).
 #[derive(Debug)]
 pub struct TransferMemory {
     /// Element type.
     pub dtype: KvDType,
     /// Blocks per layer.
     pub num_blocks: usize,
-    /// Base address of each layer's buffer; see [`KvCache::layer_base_ptrs`] for the rules.
+    /// Base address of each layer's buffer, in layer order: host pointers for
+    /// [`TransferPlace::Host`] (see [`KvCache::layer_base_ptrs`] for the rules), device addresses
+    /// (`CUdeviceptr`s, not dereferenceable on the host) for [`TransferPlace::Device`]. Either
+    /// way, touch only blocks the scheduler holds for the transfer.
     pub layer_bases: Vec<*mut u8>,
+    /// Where the buffers live.
+    pub place: TransferPlace,
 }
 
 /// How the CUDA backend sizes itself.
@@ -204,8 +235,9 @@ impl Backend {
     }
 
     /// One forward pass. With `observe`, the pass reports each layer once its K/V is written
-    /// and readable on the host: the CPU cache itself (passed to the callback), or for the CUDA
-    /// backend the `stage` blocks copied into the host mirror (the callback gets `None`).
+    /// and readable by a transfer: the CPU cache itself (passed to the callback), or for the
+    /// CUDA backend the `stage` blocks copied into the host mirror, or, in device-transfer mode,
+    /// written in the pool (the callback gets `None`; see [`CudaModel::forward_staged`]).
     /// `from_prev` (CUDA only, see [`CudaModel::forward_from`]) names chunks whose token is the
     /// draw of the last [`Self::sample_enqueue`].
     pub(crate) fn forward(&mut self, chunks: &[BatchChunk<'_>], from_prev: &[(usize, usize)], observe: Option<LayerObserver<'_>>) -> Result<Logits> {
@@ -234,24 +266,61 @@ impl Backend {
         }
     }
 
-    /// Makes received blocks (written into the host side of the transfer memory) visible to the
-    /// forward pass: nothing to do on the CPU, an upload from the mirror on CUDA.
+    /// Makes received blocks (written into the transfer memory) visible to the forward pass:
+    /// nothing to do on the CPU, an upload from the mirror on CUDA, nothing in CUDA's
+    /// device-transfer mode (see [`CudaModel::receive_blocks`]).
     pub(crate) fn receive_blocks(&mut self, blocks: &[u32]) -> Result<()> {
         match self {
             Backend::Cpu { .. } => Ok(()),
-            Backend::Cuda(m) => m.upload_from_mirror(blocks),
+            Backend::Cuda(m) => m.receive_blocks(blocks),
+        }
+    }
+
+    /// Before blocks are handed to a writer outside the engine's stream order (CUDA's
+    /// device-transfer mode: a transfer writes the pool from another stream or process): waits
+    /// until no work enqueued so far can still write any block (at most the step in flight).
+    /// Nothing to wait for on the CPU (steps are synchronous) or with the host mirror (the upload
+    /// from it is stream-ordered after such work).
+    pub(crate) fn fence_remote_writes(&self) -> Result<()> {
+        match self {
+            Backend::Cuda(m) if m.transfers_in_device_memory() => m.synchronize(),
+            Backend::Cpu { .. } | Backend::Cuda(_) => Ok(()),
         }
     }
 
     /// The host memory KV transfers register: the CPU cache itself, or the CUDA pool's host
-    /// mirror (allocated on first call).
+    /// mirror (allocated on first call). A CUDA backend in device-transfer mode has no mirror:
+    /// it returns an empty `TransferMemory` (no layers, no blocks), which no registration
+    /// accepts, and logs why.
     pub(crate) fn transfer_memory(&mut self) -> TransferMemory {
         match self {
-            Backend::Cpu { kv, .. } => TransferMemory { dtype: KvDType::F32, num_blocks: kv.num_blocks(), layer_bases: kv.layer_base_ptrs() },
-            Backend::Cuda(m) => {
-                let mirror = m.mirror();
-                TransferMemory { dtype: KvDType::Bf16, num_blocks: mirror.num_blocks(), layer_bases: mirror.layer_base_ptrs() }
+            Backend::Cpu { kv, .. } => {
+                TransferMemory { dtype: KvDType::F32, num_blocks: kv.num_blocks(), layer_bases: kv.layer_base_ptrs(), place: TransferPlace::Host }
             }
+            Backend::Cuda(m) => match m.mirror() {
+                Ok(mirror) => TransferMemory {
+                    dtype: KvDType::Bf16,
+                    num_blocks: mirror.num_blocks(),
+                    layer_bases: mirror.layer_base_ptrs(),
+                    place: TransferPlace::Host,
+                },
+                Err(e) => {
+                    tracing::error!(error = %e, "no host transfer memory");
+                    TransferMemory { dtype: KvDType::Bf16, num_blocks: 0, layer_bases: Vec::new(), place: TransferPlace::Host }
+                }
+            },
+        }
+    }
+
+    /// The CUDA pool itself as transfer memory, switching the backend to device-resident
+    /// transfers for good (see [`CudaModel::device_transfer_memory`]); [`Error::Device`] on the
+    /// CPU.
+    pub(crate) fn device_transfer_memory(&mut self) -> Result<TransferMemory> {
+        match self {
+            Backend::Cpu { .. } => Err(Error::Device(
+                "device-resident KV transfers need the CUDA backend: the CPU engine's KV cache is host memory (use transfer_memory)".into(),
+            )),
+            Backend::Cuda(m) => m.device_transfer_memory(),
         }
     }
 
@@ -300,5 +369,19 @@ mod tests {
             let err = bad.parse::<Device>().unwrap_err().to_string();
             assert!(err.contains("expected cpu, cuda or cuda:N"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn the_cpu_backend_transfers_through_host_memory_only() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/gqa-tied");
+        let cfg = ModelConfig::from_model_dir(&dir).unwrap();
+        let mut backend = Backend::load_cpu(&dir, &cfg, 8 * KvCache::bytes_per_block(&cfg, 4), 4).unwrap();
+        let err = backend.device_transfer_memory().unwrap_err();
+        assert!(matches!(&err, Error::Device(m) if m.contains("CUDA backend")), "{err}");
+        let mem = backend.transfer_memory();
+        assert_eq!((mem.dtype, mem.num_blocks, mem.place), (KvDType::F32, 8, TransferPlace::Host));
+        assert_eq!(mem.layer_bases, backend.host_kv_mut().unwrap().layer_base_ptrs());
+        backend.fence_remote_writes().unwrap();
+        backend.receive_blocks(&[0, 7]).unwrap();
     }
 }

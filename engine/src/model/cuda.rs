@@ -21,6 +21,16 @@
 //!   a step has needed);
 //! - the KV pool takes `memory_utilization` of the GPU's total memory minus what is in use once
 //!   weights and workspace are resident;
+//! - the KV pool is one plain `cuMemAlloc` allocation, zeroed at load and exportable through CUDA
+//!   IPC ([`cuda::IpcArrays`]): every layer's block array lies in it back to back (each 256-byte
+//!   aligned) and is a view the kernels take like any buffer; the views are never freed on their
+//!   own (only borrowed out of the `IpcArrays`, which leaks them before freeing the allocation),
+//!   and their addresses never change, so captured graphs and registered transfer memory stay
+//!   valid for the model's life;
+//! - KV transfers go through exactly one of two memories, fixed by the first registration: the
+//!   host mirror ([`CudaModel::mirror`]: observed prefill steps copy completing blocks into it,
+//!   received blocks are uploaded from it) or the pool itself ([`CudaModel::device_transfer_memory`]:
+//!   observed steps report a layer once the device wrote it, received blocks are already in place);
 //! - within a layer every chunk's K/V is written before attention reads, as on the CPU.
 
 use std::collections::HashMap;
@@ -30,10 +40,12 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use cudarc::driver::result::DriverError;
 use tandem_kernels::cpu::{self, PagedLayout};
-use tandem_kernels::cuda::{self, AttnMeta, AttnShape, CudaSlice, GemmOut, GemmPlans, GemmShape, Gpu, Graph, SampleParams, StagedCopy, Staging, TuneOut, bf16};
+use tandem_kernels::cuda::{
+    self, AttnMeta, AttnShape, CudaSlice, GemmOut, GemmPlans, GemmShape, Gpu, Graph, IpcArrays, SampleParams, StagedCopy, Staging, TuneOut, bf16,
+};
 
 use super::BatchChunk;
-use super::backend::{CudaSizing, DeviceSample, DeviceSampled};
+use super::backend::{CudaSizing, DeviceSample, DeviceSampled, KvDType, TransferMemory, TransferPlace};
 use crate::config::ModelConfig;
 use crate::sched::PENDING_TOKEN;
 use crate::weights::WeightStore;
@@ -118,8 +130,9 @@ pub struct CudaModel {
     /// `None` when the embedding is tied.
     lm_head: Option<CudaSlice<bf16>>,
     inv_freq: CudaSlice<f32>,
-    /// One buffer per layer, `[num_blocks][K, V][kv_heads][block_size][head_dim]` bf16.
-    kv: Vec<CudaSlice<bf16>>,
+    /// One array per layer, `[num_blocks][K, V][kv_heads][block_size][head_dim]` bf16, all in one
+    /// IPC-exportable allocation (see the module invariants).
+    kv: IpcArrays<bf16>,
     /// One block of one layer, for copy-on-write through a bounce buffer.
     bounce: CudaSlice<bf16>,
     layout: PagedLayout,
@@ -128,8 +141,8 @@ pub struct CudaModel {
     /// Logits rows the last forward pass left in `ws.logits`.
     rows: usize,
     max_model_len: usize,
-    /// The host copy of the pool that KV transfers read and write (allocated on first use).
-    mirror: Option<HostKvMirror>,
+    /// Which memory KV transfers use (chosen by the first registration, then fixed).
+    transfers: Transfers,
     /// Copies between the pool and the mirror run here, overlapping the forward pass.
     copy_stream: Arc<CudaStream>,
     /// Replay decode steps from CUDA graphs (`TANDEM_CUDA_GRAPHS=0` turns it off).
@@ -140,6 +153,17 @@ pub struct CudaModel {
     /// Draws of the last [`Self::sample_enqueue`]: their tokens are in `ws.tokens`, where a
     /// later forward pass may take token ids from.
     last_draws: usize,
+}
+
+/// Which memory KV transfers use: chosen by the first registration ([`CudaModel::mirror`] or
+/// [`CudaModel::device_transfer_memory`]) and kept for the model's life.
+enum Transfers {
+    /// Nothing registered yet.
+    Unregistered,
+    /// The host copy of the pool that transfers read and write.
+    HostMirror(HostKvMirror),
+    /// The pool itself, in device memory.
+    Device,
 }
 
 fn bf16_vec(v: &[f32]) -> Vec<bf16> {
@@ -252,7 +276,9 @@ impl CudaModel {
                 sizing.max_model_len
             )));
         }
-        let kv = (0..cfg.num_layers).map(|_| gpu.alloc_zeros::<bf16>(num_blocks * layout.block_elems())).collect::<cuda::Result<Vec<_>>>()?;
+        // One zeroed cuMemAlloc allocation for every layer (not cudarc's pooled allocations, which
+        // CUDA IPC cannot export).
+        let kv = IpcArrays::<bf16>::new(gpu.stream(), cfg.num_layers, num_blocks * layout.block_elems())?;
         let bounce = gpu.alloc_zeros::<bf16>(layout.block_elems())?;
         let copy_stream = gpu.stream().context().new_stream().map_err(|e| Error::Device(format!("creating the copy stream: {e}")))?;
         tracing::info!(
@@ -276,7 +302,7 @@ impl CudaModel {
             ws,
             rows: 0,
             max_model_len: sizing.max_model_len,
-            mirror: None,
+            transfers: Transfers::Unregistered,
             copy_stream,
             use_graphs,
             graphs: HashMap::new(),
@@ -308,7 +334,8 @@ impl CudaModel {
             return Err(Error::Device(format!("block copy {src} -> {dst} outside a pool of {} blocks", self.num_blocks)));
         }
         let stream = self.gpu.stream().clone();
-        for layer in &mut self.kv {
+        for l in 0..self.kv.count() {
+            let mut layer = self.kv.array_mut(l);
             stream.memcpy_dtod(&layer.slice(s..s + n), &mut self.bounce).map_err(dev)?;
             stream.memcpy_dtod(&self.bounce, &mut layer.slice_mut(d..d + n)).map_err(dev)?;
         }
@@ -356,15 +383,25 @@ impl CudaModel {
         Ok(())
     }
 
-    /// [`Self::forward`] for a step whose completing prefills' KV is being transferred: after the
-    /// pass is enqueued, layer by layer, copies `stage` blocks of layer `l` into the host mirror
-    /// on the copy stream as soon as the compute stream has written them (an event per layer),
-    /// waits for that copy, and calls `on_layer(l)`. The copy of layer `l` and the host's send
-    /// of it overlap the computation of the later layers.
+    /// [`Self::forward`] for a step whose completing prefills' KV (the `stage` blocks) is being
+    /// transferred; after the pass is enqueued, layer by layer in order, `on_layer(l)` is called
+    /// once layer `l` of `stage` is readable by the transfer, while later layers still compute:
+    /// - with the host mirror: the `stage` blocks of layer `l` are copied into the mirror on the
+    ///   copy stream as soon as the compute stream has written them (an event per layer), and
+    ///   `on_layer(l)` is called once that copy is done;
+    /// - in device-transfer mode nothing is copied: `on_layer(l)` is called once layer `l`'s event
+    ///   has fired (every K/V write of the layer is complete in the pool), and the transfer reads
+    ///   the blocks from the pool on its own stream.
+    ///
+    /// Fails before enqueuing anything when a `stage` block is outside the pool or no transfer
+    /// memory is registered.
     pub fn forward_staged(&mut self, chunks: &[BatchChunk<'_>], stage: &[u32], on_layer: &mut dyn FnMut(usize)) -> Result<()> {
         let host = self.ws.prepare(chunks, &[], &self.cfg, &self.layout, self.num_blocks)?;
         if stage.iter().any(|&b| b as usize >= self.num_blocks) {
             return Err(Error::Device(format!("staging a block outside the pool of {}", self.num_blocks)));
+        }
+        if matches!(self.transfers, Transfers::Unregistered) {
+            return Err(no_transfer_memory());
         }
         self.upload(&host)?;
         self.rows = host.logit_rows.len();
@@ -377,8 +414,16 @@ impl CudaModel {
             written.push(ev);
             Ok(())
         })?;
-        let Some(mirror) = self.mirror.as_mut() else {
-            return Err(Error::Device("no host KV mirror: register the KV cache for transfers first".into()));
+        let mirror = match &mut self.transfers {
+            Transfers::HostMirror(mirror) => mirror,
+            Transfers::Device => {
+                for (l, ev) in written.iter().enumerate() {
+                    ev.synchronize().map_err(dev)?;
+                    on_layer(l);
+                }
+                return Ok(());
+            }
+            Transfers::Unregistered => return Err(no_transfer_memory()),
         };
         let n = self.layout.block_elems();
         let runs = block_runs(stage);
@@ -386,12 +431,29 @@ impl CudaModel {
             self.copy_stream.wait(ev).map_err(dev)?;
             for &(first, len) in &runs {
                 let range = first as usize * n..(first + len) as usize * n;
-                self.copy_stream.memcpy_dtoh(&self.kv[l].slice(range.clone()), mirror.range_mut(l, range)).map_err(dev)?;
+                self.copy_stream.memcpy_dtoh(&self.kv.array(l).slice(range.clone()), mirror.range_mut(l, range)).map_err(dev)?;
             }
             self.copy_stream.synchronize().map_err(dev)?;
             on_layer(l);
         }
         Ok(())
+    }
+
+    /// Makes received blocks (a KV transfer wrote them into the transfer memory) visible to the
+    /// forward pass. With the host mirror: [`Self::upload_from_mirror`]. In device-transfer mode
+    /// there is nothing to do: the transfer wrote the blocks into the pool itself, from another
+    /// stream or process, and waited for its writes to complete before reporting them, so work
+    /// the compute stream runs afterwards sees them; and no work enqueued earlier can still write
+    /// them (the engine fences before handing the blocks out, see
+    /// [`crate::Engine::add_remote_request`]). The ids are checked either way.
+    pub fn receive_blocks(&mut self, blocks: &[u32]) -> Result<()> {
+        match self.transfers {
+            Transfers::Device => match blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
+                Some(b) => Err(Error::Device(format!("received block {b} is outside the pool of {}", self.num_blocks))),
+                None => Ok(()),
+            },
+            Transfers::HostMirror(_) | Transfers::Unregistered => self.upload_from_mirror(blocks),
+        }
     }
 
     /// Copies `blocks` of every layer from the host mirror into the pool (received KV), and
@@ -400,13 +462,15 @@ impl CudaModel {
         if blocks.iter().any(|&b| b as usize >= self.num_blocks) {
             return Err(Error::Device(format!("uploading a block outside the pool of {}", self.num_blocks)));
         }
-        let Some(mirror) = self.mirror.as_ref() else {
-            return Err(Error::Device("no host KV mirror: register the KV cache for transfers first".into()));
+        let Transfers::HostMirror(mirror) = &self.transfers else {
+            return Err(Error::Device("no host KV mirror: register the KV cache for transfers through its host mirror first".into()));
         };
         let n = self.layout.block_elems();
         let stream = self.gpu.stream().clone();
-        for (l, layer) in self.kv.iter_mut().enumerate() {
-            for &(first, len) in &block_runs(blocks) {
+        let runs = block_runs(blocks);
+        for l in 0..self.kv.count() {
+            let mut layer = self.kv.array_mut(l);
+            for &(first, len) in &runs {
                 let range = first as usize * n..(first + len) as usize * n;
                 stream.memcpy_htod(mirror.range(l, range.clone()), &mut layer.slice_mut(range)).map_err(dev)?;
             }
@@ -415,10 +479,56 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The host mirror of the pool, allocated (zeroed) on first use.
-    pub fn mirror(&mut self) -> &mut HostKvMirror {
-        let (layers, elems) = (self.cfg.num_layers, self.num_blocks * self.layout.block_elems());
-        self.mirror.get_or_insert_with(|| HostKvMirror { layers: (0..layers).map(|_| vec![0u16; elems]).collect(), num_blocks: self.num_blocks, block_elems: self.layout.block_elems() })
+    /// The host mirror of the pool, allocated (zeroed) on first use; this registration puts the
+    /// model in host-mirror mode for good. [`Error::Device`] in device-transfer mode (after
+    /// [`Self::device_transfer_memory`]), which never mirrors the pool.
+    pub fn mirror(&mut self) -> Result<&mut HostKvMirror> {
+        if let Transfers::Unregistered = self.transfers {
+            let (layers, elems) = (self.cfg.num_layers, self.num_blocks * self.layout.block_elems());
+            self.transfers = Transfers::HostMirror(HostKvMirror {
+                layers: (0..layers).map(|_| vec![0u16; elems]).collect(),
+                num_blocks: self.num_blocks,
+                block_elems: self.layout.block_elems(),
+            });
+        }
+        match &mut self.transfers {
+            Transfers::HostMirror(mirror) => Ok(mirror),
+            Transfers::Device | Transfers::Unregistered => {
+                Err(Error::Device("the KV pool is registered for device-resident transfers: it has no host mirror".into()))
+            }
+        }
+    }
+
+    /// The pool itself as transfer memory ([`TransferPlace::Device`]: every layer's array inside
+    /// one `cuMemAlloc` allocation, with its CUDA IPC handle), putting the model in
+    /// device-transfer mode for good: [`Self::forward_staged`] copies nothing and reports layer
+    /// `l` once the device wrote it, [`Self::receive_blocks`] copies nothing. Calling it again
+    /// returns the same memory. [`Error::Device`] once the host mirror exists ([`Self::mirror`]):
+    /// a model's transfers use one memory, never both. The addresses stay valid while the model
+    /// lives.
+    pub fn device_transfer_memory(&mut self) -> Result<TransferMemory> {
+        if let Transfers::HostMirror(_) = self.transfers {
+            return Err(Error::Device(
+                "the KV pool is already registered for transfers through its host mirror; an engine's transfers use either the mirror or device memory"
+                    .into(),
+            ));
+        }
+        let alloc = self.kv.alloc();
+        let ipc_handle = alloc.export()?;
+        let place = TransferPlace::Device { ordinal: self.gpu.ordinal(), allocation: alloc.ptr(), allocation_bytes: alloc.bytes(), ipc_handle };
+        let layer_bases = (0..self.kv.count()).map(|l| std::ptr::without_provenance_mut::<u8>(self.kv.array_ptr(l) as usize)).collect();
+        self.transfers = Transfers::Device;
+        Ok(TransferMemory { dtype: KvDType::Bf16, num_blocks: self.num_blocks, layer_bases, place })
+    }
+
+    /// Whether KV transfers use the pool in device memory ([`Self::device_transfer_memory`]).
+    pub fn transfers_in_device_memory(&self) -> bool {
+        matches!(self.transfers, Transfers::Device)
+    }
+
+    /// Blocks until all work enqueued on the compute stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.gpu.synchronize()?)
     }
 
     /// Records one padded decode step into a CUDA graph.
@@ -478,14 +588,14 @@ impl CudaModel {
             cuda::rms_norm(gpu, &mut ws.x.slice_mut(0..t * h), None, &layer.input_norm.slice(..), eps, &mut ws.normed.slice_mut(0..t * h))?;
             plans.gemm(gpu, &ws.normed.slice(0..t * h), &layer.qkv.slice(..), GemmOut::Bf16(&mut ws.qkv.slice_mut(0..t * qkv_w)), t, qkv_w, h)?;
             cuda::rope(gpu, &mut ws.qkv.slice_mut(0..t * qkv_w), &positions.slice(..), &self.inv_freq.slice(..), nh + nkv, hd, qkv_w)?;
-            cuda::write_kv(gpu, &ws.qkv.slice(0..t * qkv_w), &slots.slice(..), &mut self.kv[l].slice_mut(..), &self.layout, self.num_blocks, nh * hd, qkv_w)?;
+            cuda::write_kv(gpu, &ws.qkv.slice(0..t * qkv_w), &slots.slice(..), &mut self.kv.array_mut(l), &self.layout, self.num_blocks, nh * hd, qkv_w)?;
             after_kv(l).map_err(dev)?;
             let q = ws.qkv.slice(0..t * qkv_w);
             let out = &mut ws.attn.slice_mut(0..t * nh * hd);
             if host.all_decode {
-                cuda::decode_attention(gpu, &q, &meta, &shape, &self.kv[l].slice(..), &mut ws.decode_ws.slice_mut(..), out)?;
+                cuda::decode_attention(gpu, &q, &meta, &shape, &self.kv.array(l), &mut ws.decode_ws.slice_mut(..), out)?;
             } else {
-                cuda::prefill_attention(gpu, &q, &meta, &shape, &self.kv[l].slice(..), out)?;
+                cuda::prefill_attention(gpu, &q, &meta, &shape, &self.kv.array(l), out)?;
             }
             plans.gemm(gpu, &ws.attn.slice(0..t * nh * hd), &layer.o.slice(..), GemmOut::F32 { out: &mut ws.x.slice_mut(0..t * h), accumulate: true }, t, h, nh * hd)?;
             cuda::rms_norm(gpu, &mut ws.x.slice_mut(0..t * h), None, &layer.post_norm.slice(..), eps, &mut ws.normed.slice_mut(0..t * h))?;
@@ -652,6 +762,10 @@ fn dev(e: DriverError) -> Error {
     Error::Device(e.to_string())
 }
 
+fn no_transfer_memory() -> Error {
+    Error::Device("no transfer memory: register the KV cache for transfers first (host mirror or device memory)".into())
+}
+
 /// Sorted, merged runs `(first block, count)` of consecutive block ids.
 fn block_runs(blocks: &[u32]) -> Vec<(u32, u32)> {
     let mut sorted = blocks.to_vec();
@@ -672,7 +786,8 @@ fn block_runs(blocks: &[u32]) -> Vec<(u32, u32)> {
 /// engine copies a completing prompt's blocks into it layer by layer
 /// ([`CudaModel::forward_staged`]); a decode node's transfer writes received blocks into it and
 /// the engine uploads them before the request runs ([`CudaModel::upload_from_mirror`]). The
-/// buffers never move once allocated.
+/// buffers never move once allocated. A model in device-transfer mode has none
+/// ([`CudaModel::device_transfer_memory`]).
 pub struct HostKvMirror {
     /// bf16 bit patterns: `vec![0u16; n]` is a calloc, so untouched blocks cost no memory (the
     /// mirror of a large pool is mostly never written).

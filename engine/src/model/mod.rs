@@ -15,7 +15,7 @@ pub(crate) mod backend;
 mod cuda;
 mod kv_cache;
 
-pub use backend::{CudaSizing, Device, KvDType, TransferMemory};
+pub use backend::{CudaSizing, Device, KvDType, TransferMemory, TransferPlace};
 pub use cuda::{CudaModel, HostKvMirror};
 pub use kv_cache::KvCache;
 

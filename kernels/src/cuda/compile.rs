@@ -30,6 +30,8 @@ pub(crate) const SOURCE: &str = concat!(
     include_str!("../../cuda/attention_decode.cu"),
     "\n",
     include_str!("../../cuda/sampling.cu"),
+    "\n",
+    include_str!("../../cuda/kv_copy.cu"),
 );
 
 /// Options for every compilation besides the architecture. No fast math: `expf`, `sincosf` and

@@ -49,6 +49,7 @@ kernels! {
     DecodeAttentionHd128 => "decode_attention_hd128",
     DecodeReduce => "decode_reduce",
     Sample => "sample",
+    KvCopyBlocks => "kv_copy_blocks",
 }
 
 /// Dynamic shared memory the attention and sampling kernels may use (they opt in above the

@@ -28,7 +28,9 @@ mod gemm;
 mod gemm_lt;
 mod gpu;
 mod graph;
+mod ipc;
 mod kernel;
+mod kv_copy;
 mod sampling;
 mod staging;
 
@@ -46,6 +48,8 @@ pub use gemm::{GemmOut, gemm};
 pub use gemm_lt::{GemmPlans, GemmShape, LtAlgo, LtGemm, ShapeTimes, TuneOut};
 pub use gpu::Gpu;
 pub use graph::{Graph, capture};
+pub use ipc::{IPC_ARRAY_ALIGN, IpcAlloc, IpcArrays, IpcMapping};
+pub use kv_copy::{BlockArray, BlockList, KV_BAD_BLOCK_POISON, KvCopy, kv_checksum_finish, kv_copy_blocks};
 pub use half::bf16;
 pub use sampling::{SampleParams, sample};
 pub use staging::{StagedCopy, Staging};

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use crate::error::Result;
 use crate::memory::Iov;
 
+pub mod cuda_ipc;
 pub mod inproc;
 pub mod plugin;
 pub mod tcp;

@@ -1,0 +1,195 @@
+//! Device memory for transfers: the KV pools of CUDA engines registered as they are, so blocks move
+//! device to device with no trip through host memory. [`DeviceKv`] is a connector's device side: the
+//! GPU's kernel table and one stream of its own on which every transfer kernel runs (the block copy
+//! with its checksum, the receiver's verification pass), each call synchronised before it returns.
+//!
+//! Invariants:
+//! - The checksum of a chunk is the one `tandem_kernels::cpu::kv_checksum` defines, computed on the
+//!   device over the blocks in payload order; the receiver computes it over the destination blocks
+//!   after the payload landed and before anything is reported, exactly as on the host path.
+//! - Every call waits for its kernels before returning, so the id and sum buffers it uploads never
+//!   outlive their use, and a block reported written or verified is complete in device memory.
+//! - One call at a time per connector (a mutex): the stream's work is never interleaved.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use tandem_kernels::cuda::{BlockArray, BlockList, Gpu, IpcAlloc, KvCopy, kv_checksum_finish, kv_copy_blocks};
+
+use crate::core::lock;
+use crate::error::{Error, Result};
+use crate::geometry::Geometry;
+use crate::memory::{DeviceAllocation, KvMemory};
+
+fn gpu_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Device(format!("{what}: {e}"))
+}
+
+/// The primary context of GPU `device`, retained once per process.
+pub(crate) fn context(device: i32) -> Result<Arc<CudaContext>> {
+    static CONTEXTS: OnceLock<Mutex<HashMap<i32, Arc<CudaContext>>>> = OnceLock::new();
+    let mut map = lock(CONTEXTS.get_or_init(Mutex::default));
+    if let Some(c) = map.get(&device) {
+        return Ok(Arc::clone(c));
+    }
+    let ordinal = usize::try_from(device).map_err(|_| Error::Invalid(format!("device {device}")))?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| gpu_err(&format!("opening GPU {device}"), e))?;
+    map.insert(device, Arc::clone(&ctx));
+    Ok(ctx)
+}
+
+/// Copies host `data` to device address `addr` of GPU `device`, synchronously.
+pub(crate) fn write(device: i32, addr: u64, data: &[u8]) -> Result<()> {
+    let ctx = context(device)?;
+    ctx.bind_to_thread().map_err(|e| gpu_err("binding the context", e))?;
+    // SAFETY: `addr` is a block of registered device memory of this device (the caller checked the
+    // block and holds its exclusive claim), `data.len()` bytes long; the copy is synchronous.
+    unsafe { cudarc::driver::result::memcpy_htod_sync(addr, data) }.map_err(|e| gpu_err("writing a device block", e))
+}
+
+/// Copies `out.len()` bytes from device address `addr` of GPU `device` into `out`, synchronously.
+pub(crate) fn read(device: i32, addr: u64, out: &mut [u8]) -> Result<()> {
+    let ctx = context(device)?;
+    ctx.bind_to_thread().map_err(|e| gpu_err("binding the context", e))?;
+    // SAFETY: as in `write`, with a shared claim; the copy is synchronous.
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, addr) }.map_err(|e| gpu_err("reading a device block", e))
+}
+
+impl KvMemory {
+    /// Allocates `num_blocks` zeroed blocks per layer in device memory of GPU `device`, all layers in
+    /// one allocation that CUDA IPC can export (tests, benchmarks, and backends' own pools).
+    pub fn cuda(geometry: Geometry, num_blocks: u32, device: i32) -> Result<Arc<KvMemory>> {
+        let ctx = context(device)?;
+        let bb = geometry.block_bytes();
+        let layer_bytes = (num_blocks as usize).checked_mul(bb).ok_or_else(|| Error::Invalid("pool too large".into()))?;
+        let stride = layer_bytes.next_multiple_of(256).max(256);
+        let total = stride.checked_mul(geometry.num_layers() as usize).ok_or_else(|| Error::Invalid("pool too large".into()))?;
+        let alloc = IpcAlloc::new(&ctx, total).map_err(|e| gpu_err("allocating the device pool", e))?;
+        let base = alloc.ptr();
+        let layers = (0..geometry.num_layers() as u64).map(|l| base + l * stride as u64).collect();
+        let allocation = DeviceAllocation { base, bytes: alloc.bytes() };
+        // SAFETY: every layer base points to `layer_bytes` bytes inside `alloc`, which the memory keeps
+        // alive as its owner; nothing else holds these addresses.
+        unsafe { KvMemory::from_device(geometry, num_blocks, device, allocation, layers, Box::new(alloc)) }
+    }
+}
+
+/// A connector's device side: kernels and a transfer stream on the pool's GPU.
+pub(crate) struct DeviceKv {
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    gpu: Gpu,
+    stream: Arc<CudaStream>,
+}
+
+impl std::fmt::Debug for DeviceKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceKv")
+    }
+}
+
+/// Blocks of one layer array: where it starts, how many blocks it has, which of them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Blocks<'a> {
+    pub(crate) base: u64,
+    pub(crate) num_blocks: u32,
+    pub(crate) ids: &'a [u32],
+}
+
+impl DeviceKv {
+    /// Opens GPU `device` (the kernels come from the on-disk cache the engine filled) and a stream.
+    pub(crate) fn new(device: i32) -> Result<DeviceKv> {
+        let ordinal = usize::try_from(device).map_err(|_| Error::Invalid(format!("device {device}")))?;
+        let gpu = Gpu::new(ordinal).map_err(|e| gpu_err(&format!("opening GPU {device} for KV transfers"), e))?;
+        let stream = gpu.stream().context().new_stream().map_err(|e| gpu_err("creating the transfer stream", e))?;
+        Ok(DeviceKv { inner: Mutex::new(Inner { gpu, stream }) })
+    }
+
+    /// The CUDA context of the transfer stream.
+    pub(crate) fn context(&self) -> Arc<CudaContext> {
+        Arc::clone(lock(&self.inner).stream.context())
+    }
+
+    /// The checksum of `blocks` in order (device memory of this GPU), computed on the device.
+    pub(crate) fn checksum(&self, blocks: Blocks<'_>, block_bytes: usize) -> Result<u64> {
+        self.run(blocks, None, block_bytes, false)
+    }
+
+    /// Copies `src` blocks to `dst` blocks (pairwise; `dst` may be another process's memory mapped
+    /// through CUDA IPC) and returns the checksum of what was read. `corrupt` flips one byte of the
+    /// last destination block afterwards (the integrity test hook).
+    pub(crate) fn copy(&self, src: Blocks<'_>, dst: Blocks<'_>, block_bytes: usize, corrupt: bool) -> Result<u64> {
+        if src.ids.len() != dst.ids.len() {
+            return Err(Error::Invalid(format!("{} source blocks for {} destination blocks", src.ids.len(), dst.ids.len())));
+        }
+        self.run(src, Some(dst), block_bytes, corrupt)
+    }
+
+    fn run(&self, src: Blocks<'_>, dst: Option<Blocks<'_>>, block_bytes: usize, corrupt: bool) -> Result<u64> {
+        let inner = lock(&self.inner);
+        let s = &inner.stream;
+        let n = src.ids.len();
+        fn err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+            move |e| gpu_err(what, e)
+        }
+        let src_ids = s.clone_htod(src.ids).map_err(err("uploading block ids"))?;
+        let dst_ids = match &dst {
+            Some(d) => Some(s.clone_htod(d.ids).map_err(err("uploading block ids"))?),
+            None => None,
+        };
+        let mut sum = s.alloc_zeros::<u64>(1).map_err(err("allocating the checksum"))?;
+        let op = KvCopy {
+            src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: src_ids.as_view() },
+            dst: match (&dst, &dst_ids) {
+                (Some(d), Some(ids)) => Some(BlockList { array: BlockArray { base: d.base, num_blocks: d.num_blocks }, ids: ids.as_view() }),
+                _ => None,
+            },
+            block_bytes: block_bytes as u64,
+            checksum: Some(sum.as_view_mut()),
+        };
+        // SAFETY: `src` is registered device memory of this GPU (or, for `dst`, a live IPC mapping of a
+        // peer's pool) of `num_blocks` blocks each; the transfer holds claims on the blocks read and
+        // written, so no one else touches them; source and destination are different pools; the id
+        // and sum buffers live until the stream is synchronised below.
+        unsafe { kv_copy_blocks(&inner.gpu, s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
+        if corrupt && let (Some(d), Some(&last)) = (&dst, dst.as_ref().and_then(|d| d.ids.last())) {
+            s.synchronize().map_err(err("waiting for the KV copy"))?;
+            let at = d.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2;
+            let mut byte = [0u8; 1];
+            // SAFETY: `at` lies inside the last destination block (in range: the kernel checked it
+            // against `num_blocks` and the caller sized the array); synchronous one-byte copies.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_sync(&mut byte, at).map_err(err("corrupting (test hook)"))?;
+                byte[0] ^= 0x10;
+                cudarc::driver::result::memcpy_htod_sync(at, &byte).map_err(err("corrupting (test hook)"))?;
+            }
+        }
+        let mut host = [0u64; 1];
+        s.memcpy_dtoh(&sum, &mut host).map_err(err("reading the checksum"))?;
+        s.synchronize().map_err(err("waiting for the KV copy"))?;
+        drop((src_ids, dst_ids));
+        Ok(kv_checksum_finish(host[0], n, block_bytes as u64))
+    }
+}
+
+/// The ceiling a device backend is measured against: one plain device-to-device copy of the first
+/// `bytes` of `src`'s allocation into `dst`'s (`cuMemcpyDtoD`, synchronous), timed on the host.
+pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std::time::Duration> {
+    let (Some(a), Some(b), crate::MemoryKind::Cuda { device }) = (src.device_allocation(), dst.device_allocation(), src.kind()) else {
+        return Err(Error::Invalid("a raw device copy needs two device pools".into()));
+    };
+    if bytes > a.bytes.min(b.bytes) {
+        return Err(Error::Invalid(format!("{bytes} bytes exceed the pools")));
+    }
+    let ctx = context(device)?;
+    ctx.bind_to_thread().map_err(|e| gpu_err("binding the context", e))?;
+    let t = std::time::Instant::now();
+    // SAFETY: both ranges lie inside live device allocations (checked above) that nothing else writes
+    // during a benchmark; the copy is synchronous.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoD_v2(b.base, a.base, bytes) }.result().map_err(|e| gpu_err("raw device copy", e))?;
+    ctx.synchronize().map_err(|e| gpu_err("raw device copy", e))?;
+    Ok(t.elapsed())
+}
