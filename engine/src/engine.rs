@@ -595,6 +595,13 @@ impl Engine {
         self.sched.has_unfinished()
     }
 
+    /// Whether [`Self::step`] would do anything now: something to schedule, or a step in flight to
+    /// collect. False while every live request waits on the outside (KV in transfer, held blocks), so
+    /// a driver can sleep until its next command instead of spinning.
+    pub fn has_work(&self) -> bool {
+        self.in_flight.is_some() || self.sched.has_schedulable()
+    }
+
     /// Token counts of a live request.
     pub fn usage(&self, id: RequestId) -> Option<Usage> {
         self.requests.get(&id).map(|r| r.usage)

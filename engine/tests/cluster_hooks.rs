@@ -529,3 +529,32 @@ fn a_bad_first_token_from_a_peer_is_refused_without_harming_other_requests() {
     assert_eq!(got, want[0], "the neighbour's output changed");
     assert_pool_free(&decode);
 }
+
+/// A driver sleeps while every request waits on the outside: a decode request awaiting its KV and a
+/// prefill holding its blocks for a transfer are unfinished but give `step` nothing to do.
+#[test]
+fn requests_waiting_on_the_outside_give_no_work() {
+    let p = prompt(9, 31);
+    let mut decode = engine("gqa-tied", Role::Decode, 64, 64, true);
+    let (dst, _) = decode.add_remote_request(p.clone(), fixed(3)).unwrap();
+    assert!(decode.has_unfinished() && !decode.has_work(), "awaiting KV is not work");
+    let mut prefill = engine("gqa-tied", Role::Prefill, 64, 64, true);
+    let src = prefill.add_request(&Prompt::Tokens(p), fixed(3)).unwrap();
+    assert!(prefill.has_work());
+    let mut first = None;
+    while prefill.has_work() {
+        for o in prefill.step().unwrap() {
+            first = o.token_ids.first().copied();
+        }
+    }
+    assert!(prefill.has_unfinished(), "the finished prefill holds its blocks");
+    assert!(prefill.release(src));
+    assert!(!prefill.has_unfinished());
+    decode.kv_ready(dst, first.expect("a first token")).unwrap();
+    assert!(decode.has_work());
+    while decode.has_work() {
+        decode.step().unwrap();
+    }
+    assert!(!decode.has_unfinished());
+    assert_pool_free(&decode);
+}

@@ -154,6 +154,18 @@ impl ConnectorSpec {
         }
     }
 
+    /// Whether a node on a GPU registers its pool in device memory for this backend: device backends
+    /// always, a plugin when it declares `TANDEM_KV_CAP_DEVICE_MEMORY` (read from the library), others
+    /// never (they get a host copy of the pool).
+    pub fn uses_device_memory(&self) -> Result<bool> {
+        match self {
+            ConnectorSpec::Plugin { path, .. } => {
+                Ok(plugin::probe_capabilities(path)?.has(crate::transport::Capabilities::DEVICE_MEMORY))
+            }
+            other => Ok(other.wants_device_memory()),
+        }
+    }
+
     /// Whether the backend moves blocks in device memory (the node registers its GPU pool for it
     /// instead of a host copy).
     pub fn wants_device_memory(&self) -> bool {

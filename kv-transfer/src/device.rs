@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use tandem_kernels::cuda::{BlockArray, BlockList, Gpu, IpcAlloc, KvCopy, kv_checksum_finish, kv_copy_blocks};
 
 use crate::core::lock;
@@ -83,6 +83,11 @@ pub(crate) struct DeviceKv {
 struct Inner {
     gpu: Gpu,
     stream: Arc<CudaStream>,
+    /// Block ids of one call: the source list at 0, the destination list at `ids.len() / 2`
+    /// (grown on demand, reused: a call allocates nothing in the common case).
+    ids: CudaSlice<u32>,
+    /// The checksum counter.
+    sum: CudaSlice<u64>,
 }
 
 impl std::fmt::Debug for DeviceKv {
@@ -105,7 +110,9 @@ impl DeviceKv {
         let ordinal = usize::try_from(device).map_err(|_| Error::Invalid(format!("device {device}")))?;
         let gpu = Gpu::new(ordinal).map_err(|e| gpu_err(&format!("opening GPU {device} for KV transfers"), e))?;
         let stream = gpu.stream().context().new_stream().map_err(|e| gpu_err("creating the transfer stream", e))?;
-        Ok(DeviceKv { inner: Mutex::new(Inner { gpu, stream }) })
+        let ids = stream.alloc_zeros::<u32>(2 * crate::MAX_CHUNK_BLOCKS as usize).map_err(|e| gpu_err("allocating block ids", e))?;
+        let sum = stream.alloc_zeros::<u64>(1).map_err(|e| gpu_err("allocating the checksum", e))?;
+        Ok(DeviceKv { inner: Mutex::new(Inner { gpu, stream, ids, sum }) })
     }
 
     /// The CUDA context of the transfer stream.
@@ -129,32 +136,37 @@ impl DeviceKv {
     }
 
     fn run(&self, src: Blocks<'_>, dst: Option<Blocks<'_>>, block_bytes: usize, corrupt: bool) -> Result<u64> {
-        let inner = lock(&self.inner);
-        let s = &inner.stream;
+        let mut guard = lock(&self.inner);
+        let inner = &mut *guard;
+        let s = Arc::clone(&inner.stream);
         let n = src.ids.len();
         fn err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
             move |e| gpu_err(what, e)
         }
-        let src_ids = s.clone_htod(src.ids).map_err(err("uploading block ids"))?;
-        let dst_ids = match &dst {
-            Some(d) => Some(s.clone_htod(d.ids).map_err(err("uploading block ids"))?),
-            None => None,
-        };
-        let mut sum = s.alloc_zeros::<u64>(1).map_err(err("allocating the checksum"))?;
+        if 2 * n > inner.ids.len() {
+            // Earlier calls finished (each synchronises before returning): the old buffer is free.
+            inner.ids = s.alloc_zeros::<u32>(2 * n).map_err(err("allocating block ids"))?;
+        }
+        let half = inner.ids.len() / 2;
+        s.memcpy_htod(src.ids, &mut inner.ids.slice_mut(0..n)).map_err(err("uploading block ids"))?;
+        if let Some(d) = &dst {
+            s.memcpy_htod(d.ids, &mut inner.ids.slice_mut(half..half + n)).map_err(err("uploading block ids"))?;
+        }
+        s.memset_zeros(&mut inner.sum).map_err(err("zeroing the checksum"))?;
         let op = KvCopy {
-            src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: src_ids.as_view() },
-            dst: match (&dst, &dst_ids) {
-                (Some(d), Some(ids)) => Some(BlockList { array: BlockArray { base: d.base, num_blocks: d.num_blocks }, ids: ids.as_view() }),
-                _ => None,
-            },
+            src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: inner.ids.slice(0..n) },
+            dst: dst.as_ref().map(|d| BlockList {
+                array: BlockArray { base: d.base, num_blocks: d.num_blocks },
+                ids: inner.ids.slice(half..half + n),
+            }),
             block_bytes: block_bytes as u64,
-            checksum: Some(sum.as_view_mut()),
+            checksum: Some(inner.sum.as_view_mut()),
         };
         // SAFETY: `src` is registered device memory of this GPU (or, for `dst`, a live IPC mapping of a
         // peer's pool) of `num_blocks` blocks each; the transfer holds claims on the blocks read and
         // written, so no one else touches them; source and destination are different pools; the id
-        // and sum buffers live until the stream is synchronised below.
-        unsafe { kv_copy_blocks(&inner.gpu, s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
+        // and sum buffers belong to `inner`, locked until the stream is synchronised below.
+        unsafe { kv_copy_blocks(&inner.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
         if corrupt && let (Some(d), Some(&last)) = (&dst, dst.as_ref().and_then(|d| d.ids.last())) {
             s.synchronize().map_err(err("waiting for the KV copy"))?;
             let at = d.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2;
@@ -168,16 +180,17 @@ impl DeviceKv {
             }
         }
         let mut host = [0u64; 1];
-        s.memcpy_dtoh(&sum, &mut host).map_err(err("reading the checksum"))?;
+        s.memcpy_dtoh(&inner.sum, &mut host).map_err(err("reading the checksum"))?;
         s.synchronize().map_err(err("waiting for the KV copy"))?;
-        drop((src_ids, dst_ids));
         Ok(kv_checksum_finish(host[0], n, block_bytes as u64))
     }
 }
 
 /// The ceiling a device backend is measured against: one plain device-to-device copy of the first
-/// `bytes` of `src`'s allocation into `dst`'s (`cuMemcpyDtoD`, synchronous), timed on the host.
+/// `bytes` of `src`'s allocation into `dst`'s (`cuMemcpyDtoDAsync` on a stream of its own), timed
+/// with CUDA events around the copy alone.
 pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std::time::Duration> {
+    use cudarc::driver::sys::CUevent_flags;
     let (Some(a), Some(b), crate::MemoryKind::Cuda { device }) = (src.device_allocation(), dst.device_allocation(), src.kind()) else {
         return Err(Error::Invalid("a raw device copy needs two device pools".into()));
     };
@@ -185,11 +198,16 @@ pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<s
         return Err(Error::Invalid(format!("{bytes} bytes exceed the pools")));
     }
     let ctx = context(device)?;
-    ctx.bind_to_thread().map_err(|e| gpu_err("binding the context", e))?;
-    let t = std::time::Instant::now();
+    let e = |e: cudarc::driver::DriverError| gpu_err("raw device copy", e);
+    let stream = ctx.new_stream().map_err(e)?;
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+    let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+    start.record(&stream).map_err(e)?;
     // SAFETY: both ranges lie inside live device allocations (checked above) that nothing else writes
-    // during a benchmark; the copy is synchronous.
-    unsafe { cudarc::driver::sys::cuMemcpyDtoD_v2(b.base, a.base, bytes) }.result().map_err(|e| gpu_err("raw device copy", e))?;
-    ctx.synchronize().map_err(|e| gpu_err("raw device copy", e))?;
-    Ok(t.elapsed())
+    // during a benchmark; the stream is synchronised (through `stop`) before returning.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(b.base, a.base, bytes, stream.cu_stream()) }.result().map_err(e)?;
+    stop.record(&stream).map_err(e)?;
+    stop.synchronize().map_err(e)?;
+    let ms = start.elapsed_ms(&stop).map_err(e)?;
+    Ok(std::time::Duration::from_secs_f64(f64::from(ms) / 1e3))
 }

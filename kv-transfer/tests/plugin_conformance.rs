@@ -85,3 +85,17 @@ async fn bad_plugins_are_refused_with_clear_errors() {
     assert!(err.to_string().contains("create failed"), "{err}");
     let _ = std::fs::remove_file(junk);
 }
+
+/// A node on a GPU asks the plugin library what it can move before registering its pool: the example
+/// plugin declares host memory only, so it gets a host copy; a missing library is a clear error.
+#[test]
+fn plugin_capabilities_decide_host_or_device_registration() {
+    let caps = tandem_kv_transfer::transport::plugin::probe_capabilities(plugin_path().to_str().unwrap()).unwrap();
+    use tandem_kv_transfer::transport::Capabilities;
+    assert!(caps.has(Capabilities::HOST_MEMORY));
+    assert!(!caps.has(Capabilities::DEVICE_MEMORY));
+    assert!(!spec().uses_device_memory().unwrap());
+    let missing: ConnectorSpec = "plugin:/nonexistent/libnothing.so".parse().unwrap();
+    let err = missing.uses_device_memory().unwrap_err();
+    assert!(matches!(err, Error::Plugin { .. }), "{err}");
+}

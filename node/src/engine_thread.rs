@@ -5,7 +5,8 @@
 //! has written it.
 //!
 //! Invariants:
-//! - Only this thread touches the `Engine`; nothing here blocks except waiting for commands when idle.
+//! - Only this thread touches the `Engine`; nothing here blocks except waiting for commands when the
+//!   engine has no work (`Engine::has_work`: requests waiting for KV or a release do not spin it).
 //! - A request whose output channel is gone (its handler was cancelled) is aborted at once.
 //! - Commands queued before a step are applied before it, so an abort never waits more than one step.
 
@@ -226,8 +227,9 @@ impl Worker {
 
     fn serve(&mut self, rx: std_mpsc::Receiver<Cmd>) {
         loop {
-            // Idle: block for the next command. Busy: apply whatever is queued, then step.
-            if !self.engine.has_unfinished() {
+            // Idle (nothing to step: no request, or every one waits for KV or a release): block for
+            // the next command. Busy: apply whatever is queued, then step.
+            if !self.engine.has_work() {
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => return,
@@ -240,7 +242,7 @@ impl Worker {
                     Err(std_mpsc::TryRecvError::Disconnected) => return,
                 }
             }
-            if self.engine.has_unfinished() {
+            if self.engine.has_work() {
                 self.step();
             }
         }

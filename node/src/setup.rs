@@ -106,7 +106,8 @@ impl NodeCore {
         if spec.wants_device_memory() && !on_gpu {
             return Err(NodeError::InvalidArgument(format!("KV connector {spec:?} moves GPU memory: it needs --device cuda")));
         }
-        let memory = kv::register_kv(&mut engine, &model_id, spec.wants_device_memory())?;
+        let device_memory = on_gpu && spec.uses_device_memory()?;
+        let memory = kv::register_kv(&mut engine, &model_id, device_memory)?;
         let geometry = memory.geometry().clone();
         let connector = Arc::new(Connector::from_spec(&spec, Arc::clone(&memory), setup.kv_config, fabric).await?);
         tracing::info!(backend = connector.backend(), endpoint = %connector.endpoint(), "KV connector ready");

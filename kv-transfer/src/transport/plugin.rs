@@ -183,6 +183,28 @@ fn plugin_err(path: &str, reason: impl Into<String>) -> Error {
     Error::Plugin { path: path.to_string(), reason: reason.into() }
 }
 
+/// The capabilities the plugin at `path` declares, read from its vtable without creating an
+/// instance (a node decides with them whether to register host or device memory).
+pub fn probe_capabilities(path: &str) -> Result<Capabilities> {
+    // SAFETY: as in `PluginTransport::load`: loading a library the user chose by path.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| plugin_err(path, e.to_string()))?;
+    // SAFETY: the symbol's type is fixed by the ABI: `const tandem_kv_plugin *(*)(void)`.
+    let entry = unsafe { lib.get::<unsafe extern "C" fn() -> *const RawPlugin>(ENTRY_SYMBOL.as_bytes()) }
+        .map_err(|e| plugin_err(path, format!("no {ENTRY_SYMBOL} symbol: {e}")))?;
+    // SAFETY: calling the entry point as the ABI defines it.
+    let vt_ptr = unsafe { entry() };
+    if vt_ptr.is_null() {
+        return Err(plugin_err(path, "entry point returned NULL"));
+    }
+    // SAFETY: non-null; the two leading u32s exist in every ABI version.
+    let (abi, size) = unsafe { ((*vt_ptr).abi_version, (*vt_ptr).struct_size) };
+    if abi != ABI_VERSION || (size as usize) < std::mem::size_of::<RawPlugin>() {
+        return Err(plugin_err(path, format!("ABI version {abi} (vtable of {size} bytes), this tandem speaks {ABI_VERSION}")));
+    }
+    // SAFETY: version and size checked: the v1 struct is readable while `lib` is loaded (until return).
+    Ok(Capabilities(unsafe { (*vt_ptr).capabilities }))
+}
+
 impl PluginTransport {
     /// Loads `path`, checks its ABI and creates an instance with `config`.
     pub fn load(path: &str, config: &str, inbox: Arc<dyn Inbox>) -> Result<Arc<PluginTransport>> {
