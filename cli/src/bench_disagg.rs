@@ -39,19 +39,9 @@ use tandem_router::Policy;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
+use crate::bench_engine::LLAMA31_8B;
 use crate::cluster::{EmbeddedCluster, EmbeddedOptions, status_error};
 
-/// Llama-3.1-8B's config.json (geometry only; the same as `tandem bench engine`'s).
-const LLAMA31_8B: &str = r#"{
-  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-  "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-  "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-  "rope_theta": 500000.0,
-  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192},
-  "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128001
-}"#;
 
 /// A small geometry for CPU smoke runs (GQA, head_dim 64 so CUDA runs it too).
 const TINY: &str = r#"{

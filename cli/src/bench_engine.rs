@@ -29,8 +29,8 @@ use tandem_engine::tokenizer::Tokenizer;
 use tandem_engine::{Device, Engine};
 use tandem_kernels::cuda::{self, GemmOut, Gpu, bf16};
 
-/// Llama-3.1-8B's config.json (geometry only; weights are random).
-const LLAMA31_8B: &str = r#"{
+/// Llama-3.1-8B's config.json (geometry only; weights are random). `bench disagg` runs it too.
+pub(crate) const LLAMA31_8B: &str = r#"{
   "architectures": ["LlamaForCausalLM"], "model_type": "llama",
   "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

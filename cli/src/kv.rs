@@ -95,7 +95,7 @@ pub(crate) fn run_conformance(args: ConformanceArgs) -> anyhow::Result<()> {
     let cases: Vec<&str> = match &args.case {
         Some(c) if suite.cases().contains(&c.as_str()) => vec![c.as_str()],
         Some(c) => bail!("no conformance case {c:?} for {} (see --list)", args.device),
-        None => suite.cases().to_vec(),
+        None => suite.cases(),
     };
     let rt = runtime()?;
     // A backend that cannot even start (missing library, bad config) is one clear error, not N failures.

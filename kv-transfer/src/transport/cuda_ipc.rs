@@ -37,6 +37,7 @@ use crate::core::lock;
 use crate::device::{Blocks, DeviceKv};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
+use crate::transport::link_state::{Closed, LinkState};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
 
 /// Where the control socket goes.
@@ -76,12 +77,6 @@ fn corrupt_every() -> Option<u64> {
     std::env::var("TANDEM_KV_TEST_CORRUPT_CHUNK").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0)
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Closed {
-    Open,
-    Local,
-    Failed(String),
-}
 
 /// A peer pool opened for writing: where each layer's blocks start in this process's address space.
 struct PeerPool {
@@ -215,12 +210,11 @@ impl CudaIpcTransport {
 
     fn adopt(&self, stream: UnixStream, peer: String, pool: Option<PeerPool>) -> Arc<IpcLink> {
         let (rd, wr) = stream.into_split();
-        let (closed, closed_rx) = watch::channel(Closed::Open);
+        let (state, closed_rx) = LinkState::new(peer);
         let link = Arc::new(IpcLink {
             id: self.next_link.fetch_add(1, Ordering::Relaxed),
-            peer,
             writer: tokio::sync::Mutex::new(Some(wr)),
-            closed,
+            state,
             pool,
             write_to: Mutex::new(None),
             transport: self.me.clone(),
@@ -369,9 +363,8 @@ struct WriteTo {
 /// One control connection.
 struct IpcLink {
     id: u64,
-    peer: String,
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
-    closed: watch::Sender<Closed>,
+    state: LinkState,
     /// Sender side: the receiver's pool, mapped.
     pool: Option<PeerPool>,
     /// Sender side: the send waiting for the receiver to name the destination of its payload.
@@ -380,32 +373,17 @@ struct IpcLink {
 }
 
 impl IpcLink {
-    fn fail(&self, reason: String) {
-        self.closed.send_if_modified(|c| {
-            if *c == Closed::Open {
-                *c = Closed::Failed(reason);
-                true
-            } else {
-                false
-            }
-        });
-    }
-
-    fn link_err(&self, reason: impl Into<String>) -> Error {
-        Error::LinkFailed { peer: self.peer.clone(), reason: reason.into() }
-    }
-
     async fn write(&self, wr: &mut OwnedWriteHalf, kind: u8, body: &[u8]) -> Result<()> {
-        let mut torn = TornGuard { link: self, armed: true };
-        write_message(wr, kind, body).await.map_err(|e| self.link_err(e.to_string()))?;
-        torn.armed = false;
+        let mut torn = self.state.torn_guard();
+        write_message(wr, kind, body).await.map_err(|e| self.state.err(e.to_string()))?;
+        torn.disarm();
         Ok(())
     }
 
     /// One message with its payload (sender side): announce, learn the destination, copy, report.
     async fn send_message(&self, header: &[u8], payload: &Payload) -> Result<()> {
         let mut guard = self.writer.lock().await;
-        let Some(wr) = guard.as_mut() else { return Err(self.link_err("link closed")) };
+        let Some(wr) = guard.as_mut() else { return Err(self.state.err("link closed")) };
         let mut msg = payload.len().to_le_bytes().to_vec();
         msg.extend_from_slice(header);
         if payload.is_empty() {
@@ -417,7 +395,7 @@ impl IpcLink {
         let (tx, rx) = oneshot::channel();
         *lock(&self.write_to) = Some(tx);
         self.write(wr, K_MSG, &msg).await?;
-        let to = rx.await.map_err(|_| self.link_err("link closed before the receiver named the destination"))?;
+        let to = rx.await.map_err(|_| self.state.err("link closed before the receiver named the destination"))?;
         if to.discard {
             return Ok(());
         }
@@ -434,21 +412,8 @@ impl IpcLink {
     /// A control message from the receiving side (destination names).
     async fn reply(&self, kind: u8, body: &[u8]) -> Result<()> {
         let mut guard = self.writer.lock().await;
-        let Some(wr) = guard.as_mut() else { return Err(self.link_err("link closed")) };
+        let Some(wr) = guard.as_mut() else { return Err(self.state.err("link closed")) };
         self.write(wr, kind, body).await
-    }
-}
-
-struct TornGuard<'a> {
-    link: &'a IpcLink,
-    armed: bool,
-}
-
-impl Drop for TornGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.link.fail("a message was abandoned half-written".into());
-        }
     }
 }
 
@@ -458,31 +423,15 @@ impl Link for IpcLink {
     }
 
     fn peer(&self) -> &str {
-        &self.peer
+        self.state.peer()
     }
 
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let mut closed = self.closed.subscribe();
-            if *closed.borrow() != Closed::Open {
-                return Err(self.link_err("link closed"));
-            }
-            tokio::select! {
-                r = self.send_message(&header, &payload) => r,
-                _ = closed.wait_for(|c| *c != Closed::Open) => Err(self.link_err("link closed")),
-            }
-        })
+        Box::pin(self.state.guarded(async move { self.send_message(&header, &payload).await }))
     }
 
     fn close(&self) {
-        self.closed.send_if_modified(|c| {
-            if *c == Closed::Open {
-                *c = Closed::Local;
-                true
-            } else {
-                false
-            }
-        });
+        self.state.close();
     }
 }
 
@@ -517,7 +466,7 @@ impl Reader {
             tokio::time::sleep(WRITE_GRACE).await;
             self.inbox.on_payload(&dyn_link, token, Err(format!("link closed before the payload was written: {natural}")));
         }
-        self.link.fail(natural);
+        self.link.state.fail(natural);
         let how = closed.borrow().clone();
         lock(&self.link.write_to).take();
         if let Some(t) = self.transport.upgrade() {
@@ -527,7 +476,7 @@ impl Reader {
             let _ = wr.shutdown().await;
         }
         if let Closed::Failed(reason) = how {
-            tracing::debug!(peer = %self.link.peer, %reason, "cuda-ipc link closed");
+            tracing::debug!(peer = %self.link.state.peer(), %reason, "cuda-ipc link closed");
             self.inbox.on_link_closed(&dyn_link, reason);
         }
     }

@@ -21,6 +21,7 @@ use crate::memory::Iov;
 
 pub mod cuda_ipc;
 pub mod inproc;
+mod link_state;
 pub mod plugin;
 pub mod tcp;
 

@@ -183,10 +183,11 @@ fn plugin_err(path: &str, reason: impl Into<String>) -> Error {
     Error::Plugin { path: path.to_string(), reason: reason.into() }
 }
 
-/// The capabilities the plugin at `path` declares, read from its vtable without creating an
-/// instance (a node decides with them whether to register host or device memory).
-pub fn probe_capabilities(path: &str) -> Result<Capabilities> {
-    // SAFETY: as in `PluginTransport::load`: loading a library the user chose by path.
+/// Loads the library at `path` and returns it with its vtable, checked against this ABI version
+/// (valid while the library stays loaded).
+fn open_vtable(path: &str) -> Result<(libloading::Library, *const RawPlugin)> {
+    // SAFETY: loading a library runs its initialisers; selecting a plugin by path is the user's
+    // explicit decision to trust that code (like any shared library tandem links).
     let lib = unsafe { libloading::Library::new(path) }.map_err(|e| plugin_err(path, e.to_string()))?;
     // SAFETY: the symbol's type is fixed by the ABI: `const tandem_kv_plugin *(*)(void)`.
     let entry = unsafe { lib.get::<unsafe extern "C" fn() -> *const RawPlugin>(ENTRY_SYMBOL.as_bytes()) }
@@ -196,12 +197,22 @@ pub fn probe_capabilities(path: &str) -> Result<Capabilities> {
     if vt_ptr.is_null() {
         return Err(plugin_err(path, "entry point returned NULL"));
     }
-    // SAFETY: non-null; the two leading u32s exist in every ABI version.
+    // SAFETY: non-null; we read the two leading u32s first, which every ABI version has.
     let (abi, size) = unsafe { ((*vt_ptr).abi_version, (*vt_ptr).struct_size) };
-    if abi != ABI_VERSION || (size as usize) < std::mem::size_of::<RawPlugin>() {
-        return Err(plugin_err(path, format!("ABI version {abi} (vtable of {size} bytes), this tandem speaks {ABI_VERSION}")));
+    if abi != ABI_VERSION {
+        return Err(plugin_err(path, format!("ABI version {abi}, this tandem speaks {ABI_VERSION}")));
     }
-    // SAFETY: version and size checked: the v1 struct is readable while `lib` is loaded (until return).
+    if (size as usize) < std::mem::size_of::<RawPlugin>() {
+        return Err(plugin_err(path, format!("vtable of {size} bytes is smaller than ABI v1's")));
+    }
+    Ok((lib, vt_ptr))
+}
+
+/// The capabilities the plugin at `path` declares, read from its vtable without creating an
+/// instance (a node decides with them whether to register host or device memory).
+pub fn probe_capabilities(path: &str) -> Result<Capabilities> {
+    let (_lib, vt_ptr) = open_vtable(path)?;
+    // SAFETY: `open_vtable` checked version and size; `_lib` keeps the vtable loaded meanwhile.
     Ok(Capabilities(unsafe { (*vt_ptr).capabilities }))
 }
 
@@ -209,25 +220,7 @@ impl PluginTransport {
     /// Loads `path`, checks its ABI and creates an instance with `config`.
     pub fn load(path: &str, config: &str, inbox: Arc<dyn Inbox>) -> Result<Arc<PluginTransport>> {
         let rt = tokio::runtime::Handle::try_current().map_err(|_| plugin_err(path, "needs a tokio runtime"))?;
-        // SAFETY: loading a library runs its initialisers; selecting a plugin by path is the user's
-        // explicit decision to trust that code (like any shared library tandem links).
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| plugin_err(path, e.to_string()))?;
-        // SAFETY: the symbol's type is fixed by the ABI: `const tandem_kv_plugin *(*)(void)`.
-        let entry = unsafe { lib.get::<unsafe extern "C" fn() -> *const RawPlugin>(ENTRY_SYMBOL.as_bytes()) }
-            .map_err(|e| plugin_err(path, format!("no {ENTRY_SYMBOL} symbol: {e}")))?;
-        // SAFETY: calling the entry point as the ABI defines it.
-        let vt_ptr = unsafe { entry() };
-        if vt_ptr.is_null() {
-            return Err(plugin_err(path, "entry point returned NULL"));
-        }
-        // SAFETY: non-null; we read the two leading u32s first, which every ABI version has.
-        let (abi, size) = unsafe { ((*vt_ptr).abi_version, (*vt_ptr).struct_size) };
-        if abi != ABI_VERSION {
-            return Err(plugin_err(path, format!("ABI version {abi}, this tandem speaks {ABI_VERSION}")));
-        }
-        if (size as usize) < std::mem::size_of::<RawPlugin>() {
-            return Err(plugin_err(path, format!("vtable of {size} bytes is smaller than ABI v1's")));
-        }
+        let (lib, vt_ptr) = open_vtable(path)?;
         // SAFETY: version and size checked: the whole v1 struct is readable and lives as long as `lib`.
         let vt = unsafe { &*vt_ptr };
         let (Some(create), Some(destroy), Some(endpoint), Some(connect), Some(send), Some(close_link), Some(last_error)) =

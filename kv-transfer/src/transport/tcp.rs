@@ -31,6 +31,7 @@ use crate::core::lock;
 use crate::error::{Error, Result};
 use crate::frame::{Frame, PREFIX_LEN};
 use crate::memory::MemoryKind;
+use crate::transport::link_state::{Closed, LinkState};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
 
 /// What an accepted connection may hold, and for how long.
@@ -70,12 +71,6 @@ impl Default for TcpOptions {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Closed {
-    Open,
-    Local,
-    Failed(String),
-}
 
 /// The TCP transport; see the module doc.
 pub struct TcpTransport {
@@ -142,13 +137,12 @@ impl TcpTransport {
     fn adopt(&self, stream: TcpStream, peer: String, incoming: bool) -> Arc<TcpLink> {
         let _ = stream.set_nodelay(true);
         let (rd, wr) = stream.into_split();
-        let (closed, closed_rx) = watch::channel(Closed::Open);
+        let (state, closed_rx) = LinkState::new(peer);
         let link = Arc::new(TcpLink {
             id: self.next_link.fetch_add(1, Ordering::Relaxed),
-            peer,
             incoming,
             writer: tokio::sync::Mutex::new(Some(wr)),
-            closed,
+            state,
         });
         lock(&self.links).insert(link.id, Arc::clone(&link));
         if self.shut.load(Ordering::Acquire) {
@@ -209,35 +203,19 @@ impl Drop for TcpTransport {
 /// One TCP connection.
 struct TcpLink {
     id: u64,
-    peer: String,
     incoming: bool,
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
-    closed: watch::Sender<Closed>,
+    state: LinkState,
 }
 
 impl TcpLink {
-    fn fail(&self, reason: String) {
-        self.closed.send_if_modified(|c| {
-            if *c == Closed::Open {
-                *c = Closed::Failed(reason);
-                true
-            } else {
-                false
-            }
-        });
-    }
-
-    fn link_err(&self, reason: impl Into<String>) -> Error {
-        Error::LinkFailed { peer: self.peer.clone(), reason: reason.into() }
-    }
-
     async fn write_message(&self, header: &[u8], payload: &Payload) -> Result<()> {
         let mut guard = self.writer.lock().await;
-        let Some(wr) = guard.as_mut() else { return Err(self.link_err("link closed")) };
+        let Some(wr) = guard.as_mut() else { return Err(self.state.err("link closed")) };
         // Until the message is fully written, dropping this future (deadline) or failing leaves a torn
         // frame: the guard closes the link in that case.
-        let mut torn = TornGuard { link: self, armed: true };
-        wr.write_all(header).await.map_err(|e| self.link_err(e.to_string()))?;
+        let mut torn = self.state.torn_guard();
+        wr.write_all(header).await.map_err(|e| self.state.err(e.to_string()))?;
         for iov in payload.iovs() {
             if iov.kind != MemoryKind::Host {
                 return Err(Error::Unsupported { backend: "tcp".into(), what: "device memory".into() });
@@ -245,23 +223,10 @@ impl TcpLink {
             // SAFETY: the iovec comes from registered host memory; the payload's hold keeps the sender's
             // claim alive until this future ends, so the owner does not write these blocks meanwhile.
             let bytes = unsafe { std::slice::from_raw_parts(iov.addr as *const u8, iov.len) };
-            wr.write_all(bytes).await.map_err(|e| self.link_err(e.to_string()))?;
+            wr.write_all(bytes).await.map_err(|e| self.state.err(e.to_string()))?;
         }
-        torn.armed = false;
+        torn.disarm();
         Ok(())
-    }
-}
-
-struct TornGuard<'a> {
-    link: &'a TcpLink,
-    armed: bool,
-}
-
-impl Drop for TornGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.link.fail("a message was abandoned half-written".into());
-        }
     }
 }
 
@@ -271,31 +236,15 @@ impl Link for TcpLink {
     }
 
     fn peer(&self) -> &str {
-        &self.peer
+        self.state.peer()
     }
 
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let mut closed = self.closed.subscribe();
-            if *closed.borrow() != Closed::Open {
-                return Err(self.link_err("link closed"));
-            }
-            tokio::select! {
-                r = self.write_message(&header, &payload) => r,
-                _ = closed.wait_for(|c| *c != Closed::Open) => Err(self.link_err("link closed")),
-            }
-        })
+        Box::pin(self.state.guarded(async move { self.write_message(&header, &payload).await }))
     }
 
     fn close(&self) {
-        self.closed.send_if_modified(|c| {
-            if *c == Closed::Open {
-                *c = Closed::Local;
-                true
-            } else {
-                false
-            }
-        });
+        self.state.close();
     }
 }
 
@@ -336,7 +285,7 @@ impl Reader {
             }
         };
         // Mark the link closed (a failure unless someone closed it first) and drop the writer.
-        self.link.fail(natural);
+        self.link.state.fail(natural);
         let how = closed.borrow().clone();
         if let Some(t) = self.transport.upgrade() {
             lock(&t.links).remove(&self.link.id);
@@ -345,7 +294,7 @@ impl Reader {
             let _ = wr.shutdown().await;
         }
         if let Closed::Failed(reason) = how {
-            tracing::debug!(peer = %self.link.peer, %reason, "KV link closed");
+            tracing::debug!(peer = %self.link.state.peer(), %reason, "KV link closed");
             self.inbox.on_link_closed(&dyn_link, reason);
         }
     }
