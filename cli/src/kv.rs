@@ -8,14 +8,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use tandem_kv_transfer::conformance::Suite;
-use tandem_kv_transfer::{Connector, ConnectorConfig, ConnectorSpec, DType, Fabric, Geometry, GeometrySpec, KvMemory, Layout};
+use tandem_kv_transfer::transport::nccl::RawNcclPair;
+use tandem_kv_transfer::{
+    Connector, ConnectorConfig, ConnectorSpec, DType, Fabric, Geometry, GeometrySpec, KvMemory, Layout, MemoryKind,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// `tandem bench kv`.
 #[derive(Args, Debug)]
 pub(crate) struct KvBenchArgs {
-    /// Backend: tcp, inproc, or plugin:/path/lib.so[?config].
+    /// Backend: tcp, inproc, cuda-ipc, nccl, or plugin:/path/lib.so[?config].
     #[arg(long, default_value = "tcp")]
     backend: String,
     /// Transfer sizes in MiB (each a multiple of 1 MiB).
@@ -33,10 +36,42 @@ pub(crate) struct KvBenchArgs {
     /// Largest chunk the connector sends, in KiB (host memory; device chunks are whole layers).
     #[arg(long, default_value_t = 1024)]
     chunk_kib: usize,
-    /// Where the pools live: cpu, or cuda:N (device memory of GPU N, for cuda-ipc; the ceiling is then
-    /// a plain device-to-device copy of the same bytes).
+    /// Where the pools live: cpu; cuda:N (device memory of GPU N, for cuda-ipc; the ceiling is then
+    /// a plain device-to-device copy of the same bytes); or cuda:A,cuda:B (the source pool on GPU A,
+    /// the destination on GPU B, for nccl; the ceiling is then a bare NCCL send of the same bytes
+    /// between the two GPUs).
     #[arg(long, default_value = "cpu")]
     device: String,
+}
+
+/// Where the pools live: the senders' and the receivers' (the same unless two GPUs are named).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Devices {
+    src: Option<i32>,
+    dst: Option<i32>,
+}
+
+/// `cpu`, `cuda`, `cuda:N`, or `cuda:A,cuda:B` (senders on GPU A, receivers on GPU B).
+fn parse_devices(s: &str) -> anyhow::Result<Devices> {
+    match s.split_once(',') {
+        None => {
+            let d = parse_device(s)?;
+            Ok(Devices { src: d, dst: d })
+        }
+        Some((a, b)) => match (parse_device(a)?, parse_device(b)?) {
+            (Some(a), Some(b)) if a != b => Ok(Devices { src: Some(a), dst: Some(b) }),
+            _ => bail!("device {s:?}: two devices are two different GPUs, cuda:A,cuda:B"),
+        },
+    }
+}
+
+/// nccl moves blocks between two GPUs; the other backends between pools of one.
+fn check_devices(spec: &ConnectorSpec, d: Devices) -> anyhow::Result<()> {
+    match (matches!(spec, ConnectorSpec::Nccl(_)), d.src != d.dst) {
+        (true, false) => bail!("nccl connects two GPUs: pass --device cuda:A,cuda:B (e.g. cuda:0,cuda:1)"),
+        (false, true) => bail!("two GPUs need the nccl backend (the others move blocks between pools of one GPU)"),
+        _ => Ok(()),
+    }
 }
 
 /// `cpu` → None, `cuda` / `cuda:N` → Some(N).
@@ -61,12 +96,13 @@ fn pool(geometry: &Geometry, blocks: u32, device: Option<i32>) -> anyhow::Result
 /// `tandem kv conformance`.
 #[derive(Args, Debug)]
 pub(crate) struct ConformanceArgs {
-    /// Backend: tcp, inproc, cuda-ipc, or plugin:/path/lib.so[?config].
+    /// Backend: tcp, inproc, cuda-ipc, nccl, or plugin:/path/lib.so[?config].
     spec: String,
     /// Run only this case (see --list).
     #[arg(long)]
     case: Option<String>,
-    /// Where the pools live: cpu, or cuda:N (device memory; runs the device cases).
+    /// Where the pools live: cpu, cuda:N (device memory; runs the device cases), or cuda:A,cuda:B
+    /// (senders' pools on GPU A, receivers' on GPU B: the device cases for nccl).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// List the cases and exit.
@@ -86,11 +122,14 @@ pub(crate) fn run_conformance(args: ConformanceArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let spec: ConnectorSpec = args.spec.parse()?;
-    let device = parse_device(&args.device)?;
-    let spec = spec.resolve(device.is_some());
+    let devices = parse_devices(&args.device)?;
+    let spec = spec.resolve(devices.src.is_some());
+    check_devices(&spec, devices)?;
     let mut suite = Suite::new(spec.clone());
-    if let Some(d) = device {
-        suite = suite.on_device(d);
+    match (devices.src, devices.dst) {
+        (Some(a), Some(b)) if a != b => suite = suite.on_devices(a, b),
+        (Some(d), _) => suite = suite.on_device(d),
+        _ => {}
     }
     let cases: Vec<&str> = match &args.case {
         Some(c) if suite.cases().contains(&c.as_str()) => vec![c.as_str()],
@@ -100,7 +139,7 @@ pub(crate) fn run_conformance(args: ConformanceArgs) -> anyhow::Result<()> {
     let rt = runtime()?;
     // A backend that cannot even start (missing library, bad config) is one clear error, not N failures.
     rt.block_on(async {
-        let probe = pool(&small_geometry(1)?, 1, device)?;
+        let probe = pool(&small_geometry(1)?, 1, devices.src)?;
         Connector::from_spec(&spec, probe, ConnectorConfig::default(), &Fabric::new()).await?;
         anyhow::Ok(())
     })?;
@@ -228,13 +267,27 @@ enum Raw {
     Socket(RawPair),
     /// One plain device-to-device copy between the two pools.
     Device { src: Arc<KvMemory>, dst: Arc<KvMemory> },
+    /// One bare NCCL send between the two pools, on two GPUs.
+    Nccl { pair: Arc<RawNcclPair>, src: Arc<KvMemory>, dst: Arc<KvMemory> },
 }
 
 impl Raw {
+    /// The reference for pools `src` and `dst`: a socket between host buffers of `max_bytes`, one
+    /// copy between the pools of one GPU, or a bare NCCL send over `pair` between two GPUs.
+    async fn new(src: &Arc<KvMemory>, dst: &Arc<KvMemory>, pair: Option<&Arc<RawNcclPair>>, max_bytes: usize) -> anyhow::Result<Raw> {
+        let (src, dst) = (Arc::clone(src), Arc::clone(dst));
+        Ok(match (src.kind(), pair) {
+            (MemoryKind::Host, _) => Raw::Socket(RawPair::new(max_bytes).await?),
+            (_, Some(pair)) => Raw::Nccl { pair: Arc::clone(pair), src, dst },
+            (_, None) => Raw::Device { src, dst },
+        })
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Raw::Socket(_) => "raw socket",
             Raw::Device { .. } => "raw D2D copy",
+            Raw::Nccl { .. } => "raw NCCL send",
         }
     }
 
@@ -242,6 +295,7 @@ impl Raw {
         match self {
             Raw::Socket(p) => p.once(bytes).await,
             Raw::Device { src, dst } => Ok(tandem_kv_transfer::raw_device_copy(src, dst, bytes)?),
+            Raw::Nccl { pair, src, dst } => Ok(pair.send(src, dst, bytes)?),
         }
     }
 }
@@ -276,16 +330,17 @@ fn memcpy_time(bytes: usize) -> Duration {
 }
 
 pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
-    let device = parse_device(&args.device)?;
-    let spec = args.backend.parse::<ConnectorSpec>()?.resolve(device.is_some());
+    let devices = parse_devices(&args.device)?;
+    let spec = args.backend.parse::<ConnectorSpec>()?.resolve(devices.src.is_some());
+    check_devices(&spec, devices)?;
     if args.sizes.is_empty() || args.sizes.contains(&0) || args.iters == 0 || args.latency_iters == 0 || args.small_kib == 0 || args.chunk_kib == 0 {
         bail!("sizes, iterations and the small size must all be > 0");
     }
     let rt = runtime()?;
-    rt.block_on(bench(spec, args, device))
+    rt.block_on(bench(spec, args, devices))
 }
 
-async fn bench(spec: ConnectorSpec, args: KvBenchArgs, device: Option<i32>) -> anyhow::Result<()> {
+async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyhow::Result<()> {
     let fabric = Fabric::new();
     let config = ConnectorConfig {
         transfer_timeout: Duration::from_secs(120),
@@ -294,15 +349,16 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, device: Option<i32>) -> a
     };
     let max_mib = *args.sizes.iter().max().expect("non-empty");
     let g = big_geometry();
-    let (src, dst) = (filled(&g, max_mib, device)?, pool(&g, max_mib, device)?);
+    let (src, dst) = (filled(&g, max_mib, devices.src)?, pool(&g, max_mib, devices.dst)?);
     let tx = Connector::from_spec(&spec, Arc::clone(&src), config.clone(), &fabric).await?;
     let rx = Connector::from_spec(&spec, Arc::clone(&dst), config.clone(), &fabric).await?;
-    // The reference moving the same bytes: a loopback socket between host buffers, or one plain
-    // device-to-device copy between the two device pools.
-    let mut raw = match device {
-        None => Raw::Socket(RawPair::new((max_mib as usize) << 20).await?),
-        Some(_) => Raw::Device { src: Arc::clone(&src), dst: Arc::clone(&dst) },
+    // The reference moving the same bytes: a loopback socket between host buffers, one plain
+    // device-to-device copy between two pools of one GPU, or one bare NCCL send between two GPUs.
+    let pair = match (devices.src, devices.dst) {
+        (Some(a), Some(b)) if a != b => Some(Arc::new(tokio::task::spawn_blocking(move || RawNcclPair::new(a, b)).await??)),
+        _ => None,
     };
+    let mut raw = Raw::new(&src, &dst, pair.as_ref(), (max_mib as usize) << 20).await?;
     println!(
         "tandem bench kv: backend {} ({}), pools in {}, {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
         tx.backend(),
@@ -335,13 +391,13 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, device: Option<i32>) -> a
     }
     // Latency of small transfers.
     let sg = small_geometry(args.small_kib)?;
-    let (ssrc, sdst) = (filled(&sg, 1, device)?, pool(&sg, 1, device)?);
+    let (ssrc, sdst) = (filled(&sg, 1, devices.src)?, pool(&sg, 1, devices.dst)?);
     let stx = Connector::from_spec(&spec, Arc::clone(&ssrc), config.clone(), &fabric).await?;
     let srx = Connector::from_spec(&spec, Arc::clone(&sdst), config, &fabric).await?;
     let small = (args.small_kib as usize) << 10;
-    let mut raw_small = match device {
-        None => raw,
-        Some(_) => Raw::Device { src: ssrc, dst: sdst },
+    let mut raw_small = match raw {
+        Raw::Socket(_) => raw,
+        _ => Raw::new(&ssrc, &sdst, pair.as_ref(), small).await?,
     };
     for _ in 0..20 {
         kv_once(&stx, &srx, 1).await?;

@@ -64,6 +64,8 @@ pub struct Suite {
     fabric: Fabric,
     /// Pools in device memory of this GPU instead of host memory.
     device: Option<i32>,
+    /// The receivers' pools on this GPU instead (`Suite::on_devices`).
+    dst_device: Option<i32>,
 }
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -72,21 +74,34 @@ const WAIT: Duration = Duration::from_secs(20);
 const BINDING: u64 = 0x7461_6e64_656d_0001;
 
 impl Suite {
-    /// A suite for `spec` (a TCP spec's fixed port is replaced by port 0: the suite makes many connectors).
+    /// A suite for `spec` (a TCP or NCCL spec's fixed port is replaced by port 0: the suite makes many
+    /// connectors).
     pub fn new(spec: ConnectorSpec) -> Suite {
         let spec = match spec {
             ConnectorSpec::Tcp(mut opts) => {
                 opts.bind.set_port(0);
                 ConnectorSpec::Tcp(opts)
             }
+            ConnectorSpec::Nccl(mut opts) => {
+                opts.bind.set_port(0);
+                ConnectorSpec::Nccl(opts)
+            }
             other => other,
         };
-        Suite { spec, fabric: Fabric::new(), device: None }
+        Suite { spec, fabric: Fabric::new(), device: None, dst_device: None }
     }
 
     /// The same suite over pools in device memory of GPU `device` (every case but [`HOST_ONLY_CASES`]).
     pub fn on_device(mut self, device: i32) -> Suite {
         self.device = Some(device);
+        self
+    }
+
+    /// The device suite with the senders' pools on GPU `src` and the receivers' on GPU `dst` (nccl
+    /// connects two GPUs).
+    pub fn on_devices(mut self, src: i32, dst: i32) -> Suite {
+        self.device = Some(src);
+        self.dst_device = Some(dst);
         self
     }
 
@@ -101,6 +116,14 @@ impl Suite {
             Some(d) => KvMemory::cuda(geometry.clone(), blocks, d),
         }
         .map_err(|e| e.to_string())
+    }
+
+    /// A receiver's pool: on the receivers' GPU when `on_devices` named one.
+    fn dst_pool(&self, geometry: &Geometry, blocks: u32) -> Result<Arc<KvMemory>, String> {
+        match self.dst_device {
+            Some(d) => KvMemory::cuda(geometry.clone(), blocks, d).map_err(|e| e.to_string()),
+            None => self.pool(geometry, blocks),
+        }
     }
 
     fn config() -> ConnectorConfig {
@@ -124,9 +147,18 @@ impl Suite {
             ConnectorSpec::Inproc(_) => ConnectorSpec::Inproc(None),
             s => s.clone(),
         };
-        if let (Some(_), Fault::FlipBit(k), ConnectorSpec::CudaIpc(opts)) = (self.device, fault, &self.spec) {
-            // Device payloads are corrupted by the backend itself, on the device, after the copy.
-            let spec = ConnectorSpec::CudaIpc(crate::transport::cuda_ipc::CudaIpcOptions { corrupt_every: Some(k as u64 + 1), ..opts.clone() });
+        // Device payloads are corrupted by the backend itself, on the device, after the copy.
+        let every = Some(k_of(fault) as u64 + 1);
+        let corrupting = match (&self.device, fault, &self.spec) {
+            (Some(_), Fault::FlipBit(_), ConnectorSpec::CudaIpc(o)) => {
+                Some(ConnectorSpec::CudaIpc(crate::transport::cuda_ipc::CudaIpcOptions { corrupt_every: every, ..o.clone() }))
+            }
+            (Some(_), Fault::FlipBit(_), ConnectorSpec::Nccl(o)) => {
+                Some(ConnectorSpec::Nccl(crate::transport::nccl::NcclOptions { corrupt_every: every, ..o.clone() }))
+            }
+            _ => None,
+        };
+        if let Some(spec) = corrupting {
             return Connector::from_spec(&spec, memory, Suite::config(), &self.fabric).await.map_err(|e| e.to_string());
         }
         if self.device.is_some() {
@@ -271,7 +303,7 @@ struct Pair {
 
 async fn pair(suite: &Suite, blocks: u32, seed: u64) -> Result<Pair, String> {
     let g = geometry("conformance", 4);
-    let (src, dst) = (suite.pool(&g, blocks)?, suite.pool(&g, blocks)?);
+    let (src, dst) = (suite.pool(&g, blocks)?, suite.dst_pool(&g, blocks)?);
     fill(&src, seed)?;
     fill(&dst, seed ^ 0x5555)?;
     let tx = suite.connector(Arc::clone(&src)).await?;
@@ -471,7 +503,7 @@ async fn sender_disappears(suite: &Suite) -> CaseResult {
 
 async fn fault_case(suite: &Suite, fault: Fault) -> CaseResult {
     let g = geometry("conformance", 4);
-    let (src, dst) = (suite.pool(&g, 64)?, suite.pool(&g, 64)?);
+    let (src, dst) = (suite.pool(&g, 64)?, suite.dst_pool(&g, 64)?);
     fill(&src, 9)?;
     fill(&dst, 10)?;
     let tx = suite.faulty(Arc::clone(&src), fault).await?;
@@ -507,7 +539,7 @@ async fn fault_case(suite: &Suite, fault: Fault) -> CaseResult {
 
 async fn handshake_mismatch(suite: &Suite) -> CaseResult {
     let (g16, g8) = (geometry("conformance", 4), geometry("conformance", 8));
-    let (src, dst) = (suite.pool(&g16, 8)?, suite.pool(&g8, 8)?);
+    let (src, dst) = (suite.pool(&g16, 8)?, suite.dst_pool(&g8, 8)?);
     let tx = suite.connector(Arc::clone(&src)).await?;
     let rx = suite.connector(Arc::clone(&dst)).await?;
     let recv = rx.expect(vec![0, 1], BINDING, None).map_err(|e| e.to_string())?;
@@ -650,7 +682,7 @@ async fn large_transfer(suite: &Suite) -> CaseResult {
         layout: Layout::KvHeadTokenDim,
     })
     .expect("valid geometry");
-    let (src, dst) = (suite.pool(&g, 512)?, suite.pool(&g, 512)?);
+    let (src, dst) = (suite.pool(&g, 512)?, suite.dst_pool(&g, 512)?);
     fill(&src, 15)?;
     let tx = suite.connector(Arc::clone(&src)).await?;
     let rx = suite.connector(Arc::clone(&dst)).await?;
@@ -672,6 +704,13 @@ async fn large_transfer(suite: &Suite) -> CaseResult {
 }
 
 // ------------------------------------------------------------------------------------------ faults
+
+/// The chunk a fault hits.
+fn k_of(fault: Fault) -> usize {
+    match fault {
+        Fault::FlipBit(k) | Fault::Truncate(k) | Fault::Duplicate(k) | Fault::Swap(k) | Fault::ForeignId(k) => k,
+    }
+}
 
 /// A fault injected into the sender's `n`th chunk (0-based).
 #[derive(Debug, Clone, Copy)]

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::geometry::Geometry;
 use crate::handle::{RecvHandle, SendHandle};
 use crate::memory::{KvMemory, MemoryKind};
-use crate::transport::{Capabilities, Inbox, Transport, cuda_ipc, inproc, plugin, tcp};
+use crate::transport::{Capabilities, Inbox, Transport, cuda_ipc, inproc, nccl, plugin, tcp};
 
 /// Tunables shared by every backend.
 #[derive(Debug, Clone)]
@@ -90,7 +90,13 @@ pub enum ConnectorSpec {
     Inproc(Option<String>),
     /// `cuda-ipc`: device pools of the same host, written directly through CUDA IPC.
     CudaIpc(cuda_ipc::CudaIpcOptions),
-    /// `auto`: the node picks ([`ConnectorSpec::resolve`]): cuda-ipc for a CUDA pool, tcp for a host one.
+    /// `nccl` or `nccl://HOST:PORT` (the control channel's bind address; port 0 picks one): device
+    /// pools on any two GPUs, of one host or of two, through one NCCL communicator per sender →
+    /// receiver pair ([`nccl`]). Name it for CUDA pools on different hosts: `auto` picks cuda-ipc,
+    /// which works within one host only.
+    Nccl(nccl::NcclOptions),
+    /// `auto`: the node picks ([`ConnectorSpec::resolve`]): cuda-ipc for a CUDA pool, tcp for a host
+    /// one (never nccl: a cross-host CUDA pair names `nccl` explicitly).
     Auto,
     /// `plugin:/path/lib.so` or `plugin:/path/lib.so?config`.
     Plugin {
@@ -107,7 +113,7 @@ impl FromStr for ConnectorSpec {
     fn from_str(s: &str) -> Result<Self> {
         let bad = |why: &str| {
             Error::Invalid(format!(
-                "KV connector {s:?}: {why} (expected auto, tcp, tcp://HOST:PORT, cuda-ipc, inproc, or plugin:/path/lib.so[?config])"
+                "KV connector {s:?}: {why} (expected auto, tcp, tcp://HOST:PORT, cuda-ipc, nccl, nccl://HOST:PORT, inproc, or plugin:/path/lib.so[?config])"
             ))
         };
         if s == "auto" {
@@ -115,6 +121,13 @@ impl FromStr for ConnectorSpec {
         }
         if s == "cuda-ipc" {
             return Ok(ConnectorSpec::CudaIpc(cuda_ipc::CudaIpcOptions::default()));
+        }
+        if s == "nccl" {
+            return Ok(ConnectorSpec::Nccl(nccl::NcclOptions::default()));
+        }
+        if let Some(addr) = s.strip_prefix("nccl://") {
+            let bind = addr.parse().map_err(|_| bad("not a HOST:PORT socket address"))?;
+            return Ok(ConnectorSpec::Nccl(nccl::NcclOptions { bind, ..nccl::NcclOptions::default() }));
         }
         if s == "tcp" {
             return Ok(ConnectorSpec::Tcp(tcp::TcpOptions::default()));
@@ -145,7 +158,8 @@ impl FromStr for ConnectorSpec {
 
 impl ConnectorSpec {
     /// Resolves `auto` for a pool in device memory (`device: true`) or host memory: cuda-ipc for a
-    /// CUDA pool, tcp for a host one. Other specs are returned as they are.
+    /// CUDA pool, tcp for a host one. Other specs are returned as they are (CUDA pools on different
+    /// hosts need an explicit `nccl`).
     pub fn resolve(self, device: bool) -> ConnectorSpec {
         match self {
             ConnectorSpec::Auto if device => ConnectorSpec::CudaIpc(cuda_ipc::CudaIpcOptions::default()),
@@ -169,7 +183,7 @@ impl ConnectorSpec {
     /// Whether the backend moves blocks in device memory (the node registers its GPU pool for it
     /// instead of a host copy).
     pub fn wants_device_memory(&self) -> bool {
-        matches!(self, ConnectorSpec::CudaIpc(_))
+        matches!(self, ConnectorSpec::CudaIpc(_) | ConnectorSpec::Nccl(_))
     }
 }
 
@@ -202,6 +216,7 @@ impl Connector {
                 ConnectorSpec::CudaIpc(opts) => {
                     Ok(cuda_ipc::CudaIpcTransport::bind(opts, mem, device, inbox).await? as Arc<dyn Transport>)
                 }
+                ConnectorSpec::Nccl(opts) => Ok(nccl::NcclTransport::bind(opts, mem, device, inbox).await? as Arc<dyn Transport>),
                 _ => make_transport(&spec, &fabric, inbox).await,
             }
         })
@@ -293,9 +308,9 @@ pub async fn make_transport(spec: &ConnectorSpec, fabric: &inproc::Fabric, inbox
         ConnectorSpec::Tcp(opts) => tcp::TcpTransport::bind(opts, inbox).await? as Arc<dyn Transport>,
         ConnectorSpec::Inproc(name) => fabric.register(name.clone(), inbox)? as Arc<dyn Transport>,
         ConnectorSpec::Plugin { path, config } => plugin::PluginTransport::load(path, config, inbox)? as Arc<dyn Transport>,
-        ConnectorSpec::CudaIpc(_) => {
+        ConnectorSpec::CudaIpc(_) | ConnectorSpec::Nccl(_) => {
             return Err(Error::Unsupported {
-                backend: "cuda-ipc".into(),
+                backend: if matches!(spec, ConnectorSpec::Nccl(_)) { "nccl" } else { "cuda-ipc" }.into(),
                 what: "creation without the connector's memory (use Connector::from_spec)".into(),
             });
         }

@@ -34,6 +34,12 @@ pub(crate) fn context(device: i32) -> Result<Arc<CudaContext>> {
         return Ok(Arc::clone(c));
     }
     let ordinal = usize::try_from(device).map_err(|_| Error::Invalid(format!("device {device}")))?;
+    // SAFETY: only tries to dlopen the candidate library names (cudarc would panic on a missing one).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::Device(
+            "no NVIDIA driver found (libcuda.so.1): device memory needs a GPU; put the driver's directory on LD_LIBRARY_PATH".into(),
+        ));
+    }
     let ctx = CudaContext::new(ordinal).map_err(|e| gpu_err(&format!("opening GPU {device}"), e))?;
     map.insert(device, Arc::clone(&ctx));
     Ok(ctx)

@@ -55,6 +55,13 @@ fn bad_specs_and_arguments_are_refused() {
     assert!(err.contains("must all be > 0"), "{err}");
     let err = fails(&["bench", "kv", "--backend", "plugin:"]);
     assert!(err.contains("empty plugin path"), "{err}");
+    // Device backends on a machine without a GPU: one clear error, never a panic or a quiet switch.
+    let err = fails(&["kv", "conformance", "cuda-ipc", "--device", "cuda:0"]);
+    assert!(err.contains("libcuda") || err.contains("GPU"), "{err}");
+    let err = fails(&["kv", "conformance", "cuda-ipc"]);
+    assert!(err.contains("cuda-ipc"), "{err}");
+    let err = fails(&["bench", "kv", "--backend", "cuda-ipc", "--device", "cuda:x"]);
+    assert!(err.contains("unknown device"), "{err}");
 }
 
 /// The values of a report row: the whitespace-separated fields after `label_end`, without units.

@@ -22,6 +22,7 @@ use crate::memory::Iov;
 pub mod cuda_ipc;
 pub mod inproc;
 mod link_state;
+pub mod nccl;
 pub mod plugin;
 pub mod tcp;
 

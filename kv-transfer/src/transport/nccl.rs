@@ -1,0 +1,1010 @@
+//! The NCCL backend: device pools on any two GPUs, of one host or of two. A TCP connection carries
+//! the control messages (`wire`); the bytes go through one NCCL communicator per link (per
+//! sender → receiver pair), made once when the link opens and aborted when it closes.
+//!
+//! At connect the sender states its control protocol, NCCL version, GPU and pool layout; the
+//! receiver checks them (two different GPUs, the same NCCL major.minor), creates the rendezvous
+//! (`ncclGetUniqueId`, rank 0) and answers with its own; both ends then create the communicator in
+//! the background (nonblocking `ncclCommInitRankConfig`, bounded) while the connector's handshake
+//! runs, and allocate one staging buffer of `MAX_CHUNK_BLOCKS` blocks each. Per chunk: the sender
+//! announces the frame and gathers its (scattered) blocks into its staging buffer with the copy
+//! kernel; the receiver's inbox names the destination blocks, the receiver answers "go", posts
+//! `ncclRecv` into its staging buffer, the sender `ncclSend`s the chunk, waits, and reports; once
+//! both the bytes and the report arrived, the receiver scatters the staging buffer into the
+//! destination blocks and reports the payload written. The connector core then verifies the
+//! chunk's checksum on the receiver's GPU before anything is reported.
+//!
+//! Endpoint: `nccl://HOST:PORT` (the control channel; NCCL's own bootstrap and data connections
+//! are NCCL's: `NCCL_SOCKET_IFNAME` and friends choose their interfaces).
+//!
+//! Invariants (besides those of every transport):
+//! - Payloads only flow from the side that connected (the sender) to the side that accepted.
+//! - Every posted receive is matched by one send of the same length (a sender whose staging failed
+//!   sends its buffer anyway and reports the failure), so the pair's NCCL operations never get out
+//!   of step; a link whose NCCL operation failed is closed, and its communicator aborted.
+//! - NCCL only ever writes the staging buffers; destination blocks are written by the scatter
+//!   kernel alone, after the receive completed and before `on_payload`, so a link closing mid-chunk
+//!   needs no grace period: `on_payload` follows at once and the blocks are untouched.
+//! - One NCCL operation at a time per GPU in the process (NCCL forbids issuing operations on
+//!   communicators of one device from several threads at once, and concurrent kernels of different
+//!   communicators may wait on each other); a receiver takes its GPU's turn before it says "go", a
+//!   sender only after it heard "go", so a turn never waits on a peer that is itself waiting for a
+//!   turn (senders only send, receivers only receive).
+//! - Every wait is bounded: communicator creation by `INIT` (60 s), an operation by the link (closed at
+//!   the transfer's deadline or when the peer goes), an accepted connection's handshake by 5 s and
+//!   its silence by 90 s; each control message is at most 64 KiB.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::MAX_CHUNK_BLOCKS;
+use crate::core::lock;
+use crate::device::{Blocks, DeviceKv};
+use crate::error::{Error, Result};
+use crate::memory::{Iov, KvMemory, MemoryKind};
+use crate::transport::link_state::{Closed, LinkState};
+use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+
+mod ffi;
+mod wire;
+
+pub use ffi::library_version;
+use ffi::{Comm, DeviceBuffer, Dir, UniqueId};
+use wire::{Control, Side};
+
+/// Where the control channel listens, what it advertises, and the integrity test hook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclOptions {
+    /// Listen address of the control channel; port 0 picks a free port. Peers on other hosts need
+    /// an address they can reach (e.g. `0.0.0.0:PORT` with [`NcclOptions::advertise`]).
+    pub bind: SocketAddr,
+    /// Host name or IP peers dial (default: the bind IP, or 127.0.0.1 if that is unspecified).
+    pub advertise: Option<String>,
+    /// Test hook: flip one byte of every Nth chunk this transport stages for sending, after the
+    /// gather, so the receiver's verification must catch it. Also set by the environment variable
+    /// `TANDEM_KV_TEST_CORRUPT_CHUNK=N` (for tests that drive whole processes).
+    pub corrupt_every: Option<u64>,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        NcclOptions {
+            bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            advertise: None,
+            corrupt_every: None,
+        }
+    }
+}
+
+const HANDSHAKE: Duration = Duration::from_secs(5);
+/// How long an accepted link may stay silent between messages (senders stop reusing a link after
+/// 30 s idle, see the connector core).
+const IDLE: Duration = Duration::from_secs(90);
+/// How long creating a link's communicator may take.
+const INIT: Duration = Duration::from_secs(60);
+/// Most accepted links open at once (each holds a communicator and a staging buffer on the GPU).
+const MAX_INCOMING: usize = 64;
+/// Ranks of a link's communicator.
+const RANK_RECEIVER: i32 = 0;
+const RANK_SENDER: i32 = 1;
+
+/// The test hook `TANDEM_KV_TEST_CORRUPT_CHUNK=N`.
+fn corrupt_every() -> Option<u64> {
+    std::env::var("TANDEM_KV_TEST_CORRUPT_CHUNK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+}
+
+/// GPU `ordinal`'s turn: held by a link from posting an NCCL operation until it completed.
+fn gpu_turn(ordinal: i32) -> Arc<tokio::sync::Mutex<()>> {
+    static TURNS: OnceLock<Mutex<HashMap<i32, Arc<tokio::sync::Mutex<()>>>>> = OnceLock::new();
+    Arc::clone(
+        lock(TURNS.get_or_init(Mutex::default))
+            .entry(ordinal)
+            .or_default(),
+    )
+}
+
+/// The NCCL transport; see the module doc.
+pub struct NcclTransport {
+    endpoint: String,
+    memory: Arc<KvMemory>,
+    device: Arc<DeviceKv>,
+    ordinal: i32,
+    inbox: Arc<dyn Inbox>,
+    /// What this end states at connect.
+    side: Side,
+    staging_bytes: usize,
+    links: Mutex<HashMap<u64, Arc<NcclLink>>>,
+    next_link: AtomicU64,
+    accept: Mutex<Option<JoinHandle<()>>>,
+    shut: AtomicBool,
+    corrupt_every: Option<u64>,
+    staged: AtomicU64,
+    me: Weak<NcclTransport>,
+}
+
+impl NcclTransport {
+    /// Loads NCCL, binds the control channel and accepts. Fails with `Unsupported` for a pool in
+    /// host memory and with `Device` when NCCL cannot be loaded.
+    pub(crate) async fn bind(
+        opts: &NcclOptions,
+        memory: Arc<KvMemory>,
+        device: Option<Arc<DeviceKv>>,
+        inbox: Arc<dyn Inbox>,
+    ) -> Result<Arc<NcclTransport>> {
+        let unsupported = |what: &str| Error::Unsupported {
+            backend: "nccl".into(),
+            what: what.into(),
+        };
+        let (Some(device), MemoryKind::Cuda { device: ordinal }) = (device, memory.kind()) else {
+            return Err(unsupported("host memory (register the GPU's KV pool)"));
+        };
+        let nccl = ffi::api()?.version();
+        let uuid = device
+            .context()
+            .uuid()
+            .map_err(|e| Error::Device(format!("reading GPU {ordinal}'s UUID: {e}")))?;
+        let g = memory.geometry();
+        let staging_bytes = (MAX_CHUNK_BLOCKS as usize)
+            .checked_mul(g.block_bytes())
+            .ok_or_else(|| Error::Invalid(format!("blocks of {} bytes", g.block_bytes())))?;
+        let side = Side {
+            version: wire::VERSION,
+            nccl,
+            gpu: uuid.bytes.map(|b| b as u8),
+            block_bytes: g.block_bytes() as u64,
+            num_layers: g.num_layers(),
+        };
+        let listener = TcpListener::bind(opts.bind)
+            .await
+            .map_err(|e| Error::Invalid(format!("cannot listen on {}: {e}", opts.bind)))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::Invalid(format!("listener address: {e}")))?;
+        let host = match &opts.advertise {
+            Some(h) => h.clone(),
+            None if local.ip().is_unspecified() => "127.0.0.1".to_string(),
+            None => local.ip().to_string(),
+        };
+        let endpoint = if host.contains(':') && !host.starts_with('[') {
+            format!("nccl://[{host}]:{}", local.port())
+        } else {
+            format!("nccl://{host}:{}", local.port())
+        };
+        let transport = Arc::new_cyclic(|me| NcclTransport {
+            endpoint,
+            memory,
+            device,
+            ordinal,
+            inbox,
+            side,
+            staging_bytes,
+            links: Mutex::new(HashMap::new()),
+            next_link: AtomicU64::new(1),
+            accept: Mutex::new(None),
+            shut: AtomicBool::new(false),
+            corrupt_every: opts.corrupt_every.or_else(corrupt_every),
+            staged: AtomicU64::new(0),
+            me: me.clone(),
+        });
+        let me = Arc::downgrade(&transport);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, peer)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let Some(t) = me.upgrade() else { return };
+                let incoming = lock(&t.links).values().filter(|l| !l.sender_side).count();
+                if incoming >= MAX_INCOMING {
+                    tracing::warn!(%peer, max = MAX_INCOMING, "nccl KV connection refused: too many incoming links are open");
+                    continue;
+                }
+                tokio::spawn(async move { t.accept_one(stream, peer.to_string()).await });
+            }
+        });
+        *lock(&transport.accept) = Some(task);
+        Ok(transport)
+    }
+
+    async fn accept_one(self: Arc<Self>, mut stream: TcpStream, peer: String) {
+        let _ = stream.set_nodelay(true);
+        let theirs = match tokio::time::timeout(HANDSHAKE, wire::read(&mut stream)).await {
+            Ok(Ok(Control::Hello(side))) => side,
+            _ => return, // no handshake in time, or garbage: just close
+        };
+        let accepted = match wire::check_peer(&self.side, &theirs) {
+            Ok(()) => {
+                tokio::task::spawn_blocking(|| ffi::api().map_err(|e| e.to_string())?.unique_id())
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
+            }
+            Err(reason) => Err(reason),
+        };
+        match accepted {
+            Ok(id) => {
+                if wire::write(&mut stream, &Control::Accept(self.side, id))
+                    .await
+                    .is_ok()
+                {
+                    self.adopt(stream, peer, false, theirs, id);
+                }
+            }
+            Err(reason) => {
+                let _ = wire::write(&mut stream, &Control::Refuse(reason)).await;
+            }
+        }
+    }
+
+    /// Registers a connection whose handshake succeeded, starts its reader and its communicator.
+    fn adopt(
+        &self,
+        stream: TcpStream,
+        peer: String,
+        sender_side: bool,
+        theirs: Side,
+        id: UniqueId,
+    ) -> Arc<NcclLink> {
+        let (rd, wr) = stream.into_split();
+        let (state, closed_rx) = LinkState::new(peer);
+        let (gpu, _) = watch::channel(GpuState::Starting);
+        let link = Arc::new(NcclLink {
+            id: self.next_link.fetch_add(1, Ordering::Relaxed),
+            sender_side,
+            writer: tokio::sync::Mutex::new(Some(wr)),
+            state,
+            closing: Closing(closed_rx.clone()),
+            gpu,
+            go: Mutex::new(None),
+            transport: self.me.clone(),
+        });
+        lock(&self.links).insert(link.id, Arc::clone(&link));
+        if self.shut.load(Ordering::Acquire) {
+            link.close();
+        }
+        let reader = Reader {
+            inbox: Arc::clone(&self.inbox),
+            link: Arc::clone(&link),
+            transport: self.me.clone(),
+        };
+        tokio::spawn(reader.run(rd, closed_rx));
+        if self.side.same_layout(&theirs) {
+            self.start_comm(
+                &link,
+                id,
+                if sender_side {
+                    RANK_SENDER
+                } else {
+                    RANK_RECEIVER
+                },
+            );
+        } else {
+            // The connector's handshake refuses this pair with the reason; no communicator for it.
+            link.gpu.send_replace(GpuState::Failed(
+                "the peer's pool has another layout".into(),
+            ));
+        }
+        link
+    }
+
+    /// Creates the link's communicator and staging buffer in the background.
+    fn start_comm(&self, link: &Arc<NcclLink>, id: UniqueId, rank: i32) {
+        let (ctx, ordinal, bytes) = (self.device.context(), self.ordinal, self.staging_bytes);
+        let closing = link.closing.clone();
+        let link = Arc::clone(link);
+        tokio::spawn(async move {
+            let made = tokio::task::spawn_blocking(move || {
+                LinkGpu::create(ctx, ordinal, &id, rank, bytes, &closing)
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("the communicator task failed: {e}")));
+            match made {
+                Ok(gpu) => {
+                    let gpu = Arc::new(gpu);
+                    let mut published = false;
+                    link.gpu.send_if_modified(|s| {
+                        published = matches!(s, GpuState::Starting);
+                        if published {
+                            *s = GpuState::Ready(Arc::clone(&gpu));
+                        }
+                        published
+                    });
+                    if !published {
+                        retire(gpu); // the link closed meanwhile
+                    }
+                }
+                Err(reason) => {
+                    tracing::debug!(peer = %link.state.peer(), %reason, "no NCCL communicator");
+                    link.gpu.send_if_modified(|s| {
+                        let starting = matches!(s, GpuState::Starting);
+                        if starting {
+                            *s = GpuState::Failed(reason.clone());
+                        }
+                        starting
+                    });
+                    link.state
+                        .fail(format!("creating the NCCL communicator: {reason}"));
+                }
+            }
+        });
+    }
+
+    /// Gathers the payload's blocks into the link's staging buffer (the sender's half of a chunk).
+    async fn stage(&self, gpu: &Arc<LinkGpu>, payload: Payload) -> std::result::Result<(), String> {
+        let bb = self.memory.geometry().block_bytes();
+        let Some((layer, ids)) = self.memory.blocks_of(payload.iovs()) else {
+            return Err("the payload is not whole blocks of one layer of the pool".into());
+        };
+        if ids.len() * bb > gpu.staging.bytes() {
+            return Err(format!("{} blocks exceed a chunk", ids.len()));
+        }
+        let n = self.staged.fetch_add(1, Ordering::Relaxed) + 1;
+        let corrupt = self.corrupt_every.is_some_and(|k| n.is_multiple_of(k));
+        let (memory, device, gpu) = (
+            Arc::clone(&self.memory),
+            Arc::clone(&self.device),
+            Arc::clone(gpu),
+        );
+        tokio::task::spawn_blocking(move || {
+            let slots: Vec<u32> = (0..ids.len() as u32).collect();
+            let src = Blocks {
+                base: memory.layer_base(layer) as u64,
+                num_blocks: memory.num_blocks(),
+                ids: &ids,
+            };
+            let dst = Blocks {
+                base: gpu.staging.ptr(),
+                num_blocks: MAX_CHUNK_BLOCKS,
+                ids: &slots,
+            };
+            let gathered = device
+                .copy(src, dst, bb, corrupt)
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            drop(payload); // the source blocks are not read any more
+            gathered
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()))
+    }
+
+    /// Scatters the link's staging buffer into blocks `ids` of `layer` (the receiver's last step).
+    async fn unstage(
+        &self,
+        gpu: &Arc<LinkGpu>,
+        layer: u32,
+        ids: Vec<u32>,
+    ) -> std::result::Result<(), String> {
+        let bb = self.memory.geometry().block_bytes();
+        let (memory, device, gpu) = (
+            Arc::clone(&self.memory),
+            Arc::clone(&self.device),
+            Arc::clone(gpu),
+        );
+        tokio::task::spawn_blocking(move || {
+            let slots: Vec<u32> = (0..ids.len() as u32).collect();
+            let src = Blocks {
+                base: gpu.staging.ptr(),
+                num_blocks: MAX_CHUNK_BLOCKS,
+                ids: &slots,
+            };
+            let dst = Blocks {
+                base: memory.layer_base(layer) as u64,
+                num_blocks: memory.num_blocks(),
+                ids: &ids,
+            };
+            device
+                .copy(src, dst, bb, false)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()))
+    }
+}
+
+impl Transport for NcclTransport {
+    fn name(&self) -> &str {
+        "nccl"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities(
+            Capabilities::DEVICE_MEMORY | Capabilities::CROSS_HOST | Capabilities::CROSS_PROCESS,
+        )
+    }
+
+    fn endpoint(&self) -> String {
+        self.endpoint.clone()
+    }
+
+    fn connect<'a>(&'a self, endpoint: &'a str) -> BoxFuture<'a, Result<Arc<dyn Link>>> {
+        Box::pin(async move {
+            let unreachable = |reason: String| Error::Unreachable {
+                endpoint: endpoint.to_string(),
+                reason,
+            };
+            let addr = endpoint
+                .strip_prefix("nccl://")
+                .ok_or_else(|| unreachable("not an nccl:// endpoint".into()))?;
+            if self.shut.load(Ordering::Acquire) {
+                return Err(Error::Shutdown);
+            }
+            let mut stream = TcpStream::connect(addr)
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
+            let _ = stream.set_nodelay(true);
+            wire::write(&mut stream, &Control::Hello(self.side))
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
+            let reply = tokio::time::timeout(HANDSHAKE, wire::read(&mut stream))
+                .await
+                .map_err(|_| unreachable("no nccl handshake reply".into()))?
+                .map_err(unreachable)?;
+            let (theirs, id) = match reply {
+                Control::Accept(side, id) => (side, id),
+                Control::Refuse(reason) => return Err(Error::Incompatible(reason)),
+                other => {
+                    return Err(unreachable(format!(
+                        "unexpected handshake message {other:?}"
+                    )));
+                }
+            };
+            wire::check_peer(&self.side, &theirs).map_err(Error::Incompatible)?;
+            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), true, theirs, id);
+            Ok(link)
+        })
+    }
+
+    fn shutdown(&self) {
+        self.shut.store(true, Ordering::Release);
+        if let Some(task) = lock(&self.accept).take() {
+            task.abort();
+        }
+        let links: Vec<Arc<NcclLink>> = lock(&self.links).drain().map(|(_, l)| l).collect();
+        for link in links {
+            link.close();
+        }
+    }
+}
+
+impl Drop for NcclTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A link's device side: its communicator, a stream for its NCCL operations, its staging buffer.
+struct LinkGpu {
+    ordinal: i32,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    staging: DeviceBuffer,
+    /// `None` once aborted. Every NCCL call on the communicator is made under this lock.
+    comm: Mutex<Option<Comm>>,
+}
+
+impl LinkGpu {
+    /// Creates rank `rank` of the link's communicator (bounded by [`INIT`] and the link closing),
+    /// then its stream and staging buffer. Blocking.
+    fn create(
+        ctx: Arc<CudaContext>,
+        ordinal: i32,
+        id: &UniqueId,
+        rank: i32,
+        staging_bytes: usize,
+        closing: &Closing,
+    ) -> std::result::Result<LinkGpu, String> {
+        let api = ffi::api().map_err(|e| e.to_string())?;
+        ctx.bind_to_thread()
+            .map_err(|e| format!("binding the context: {e}"))?;
+        let comm = Comm::start(api, id, rank, 2)?;
+        let since = Instant::now();
+        while !comm.ready()? {
+            if closing.now() {
+                return Err("link closed".into()); // dropping `comm` aborts it
+            }
+            if since.elapsed() > INIT {
+                return Err(format!(
+                    "no communicator within {INIT:?} (can the two hosts reach each other on NCCL's interfaces? see NCCL_SOCKET_IFNAME)"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| format!("creating the NCCL stream: {e}"))?;
+        let staging = DeviceBuffer::new(&ctx, staging_bytes)?;
+        Ok(LinkGpu {
+            ordinal,
+            ctx,
+            stream,
+            staging,
+            comm: Mutex::new(Some(comm)),
+        })
+    }
+
+    /// Runs one `ncclSend` or `ncclRecv` of the first `bytes` of the staging buffer and waits for it;
+    /// a closing link ends the wait. Blocking.
+    fn transfer(
+        &self,
+        dir: Dir,
+        bytes: usize,
+        closing: &Closing,
+    ) -> std::result::Result<(), String> {
+        if bytes > self.staging.bytes() {
+            return Err(format!("a {bytes}-byte chunk exceeds the staging buffer"));
+        }
+        let stopped = || {
+            if closing.now() {
+                Err("link closed".to_string())
+            } else {
+                Ok(())
+            }
+        };
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| format!("binding the context: {e}"))?;
+        let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
+        {
+            let comm = lock(&self.comm);
+            let comm = comm.as_ref().ok_or("the communicator was aborted")?;
+            let peer = if dir == Dir::Send {
+                RANK_RECEIVER
+            } else {
+                RANK_SENDER
+            };
+            // SAFETY: the staging buffer is this GPU's memory, at least `bytes` long, and only this
+            // link's operations touch it, one at a time (the sender's writer lock, the receiver's
+            // reader task); it lives as long as `self`, which outlives the wait below or the abort
+            // that ends the operation; `stream` is this link's stream of the same context.
+            unsafe { comm.p2p(dir, self.staging.ptr(), bytes, peer, stream) }?;
+            // A nonblocking communicator may still be connecting to its peer: wait until issued.
+            let since = Instant::now();
+            while !comm.ready()? {
+                stopped()?;
+                ffi::backoff(since);
+            }
+        }
+        ffi::wait_stream(stream, || {
+            stopped()?;
+            match lock(&self.comm).as_ref() {
+                Some(c) => c.ready().map(|_| ()),
+                None => Err("the communicator was aborted".into()),
+            }
+        })
+    }
+
+    /// Aborts the communicator (once). Blocking.
+    fn abort(&self) {
+        let comm = lock(&self.comm).take();
+        if let Some(comm) = comm {
+            comm.abort();
+        }
+    }
+}
+
+/// Aborts a link's communicator, off the async runtime (it may wait for NCCL's threads); the staging
+/// buffer goes with the last holder of `gpu`.
+fn retire(gpu: Arc<LinkGpu>) {
+    ffi::off_runtime(move || gpu.abort());
+}
+
+/// Whether a link is closing, for blocking threads (a receiver of its state).
+#[derive(Clone)]
+struct Closing(watch::Receiver<Closed>);
+
+impl Closing {
+    fn now(&self) -> bool {
+        *self.0.borrow() != Closed::Open
+    }
+}
+
+/// Where a link's communicator is.
+#[derive(Clone)]
+enum GpuState {
+    Starting,
+    Ready(Arc<LinkGpu>),
+    Failed(String),
+}
+
+/// One control connection and its communicator.
+struct NcclLink {
+    id: u64,
+    /// Connected from here (payloads go out), or accepted (payloads come in).
+    sender_side: bool,
+    writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
+    state: LinkState,
+    closing: Closing,
+    gpu: watch::Sender<GpuState>,
+    /// Sender side: the send waiting for the receiver's go-ahead.
+    go: Mutex<Option<oneshot::Sender<bool>>>,
+    transport: Weak<NcclTransport>,
+}
+
+impl NcclLink {
+    fn link_err(&self, reason: impl Into<String>) -> Error {
+        self.state.err(reason)
+    }
+
+    /// The communicator, once made.
+    async fn ready_gpu(&self) -> std::result::Result<Arc<LinkGpu>, String> {
+        let mut rx = self.gpu.subscribe();
+        let state = rx
+            .wait_for(|s| !matches!(s, GpuState::Starting))
+            .await
+            .map_err(|_| "link closed".to_string())?
+            .clone();
+        match state {
+            GpuState::Ready(gpu) => Ok(gpu),
+            GpuState::Failed(reason) => Err(format!("no NCCL communicator: {reason}")),
+            GpuState::Starting => Err("no NCCL communicator".into()),
+        }
+    }
+
+    /// Aborts the communicator (or makes sure one still being created is): the link is closing.
+    fn retire_gpu(&self) {
+        if let GpuState::Ready(gpu) = self
+            .gpu
+            .send_replace(GpuState::Failed("link closed".into()))
+        {
+            retire(gpu);
+        }
+    }
+
+    async fn write(&self, wr: &mut OwnedWriteHalf, msg: &Control) -> Result<()> {
+        let mut torn = self.state.torn_guard();
+        wire::write(wr, msg)
+            .await
+            .map_err(|e| self.link_err(e.to_string()))?;
+        torn.disarm();
+        Ok(())
+    }
+
+    /// One message (sender side with a payload: announce, gather, wait for the go-ahead, send,
+    /// report).
+    async fn send_message(&self, header: Vec<u8>, payload: Payload) -> Result<()> {
+        let mut guard = self.writer.lock().await;
+        let Some(wr) = guard.as_mut() else {
+            return Err(self.link_err("link closed"));
+        };
+        let msg = Control::Msg {
+            payload_len: payload.len(),
+            header,
+        };
+        if payload.is_empty() {
+            return self.write(wr, &msg).await;
+        }
+        let (Some(t), true) = (self.transport.upgrade(), self.sender_side) else {
+            return Err(Error::Unsupported {
+                backend: "nccl".into(),
+                what: "payloads from the accepting side".into(),
+            });
+        };
+        let bytes = payload.len() as usize;
+        // From the announcement to the report the pair's NCCL operations are in step: abandoning
+        // the chunk anywhere in between (deadline, failure) closes the link.
+        let mut torn = self.state.torn_guard();
+        let (tx, rx) = oneshot::channel();
+        *lock(&self.go) = Some(tx);
+        wire::write(wr, &msg)
+            .await
+            .map_err(|e| self.link_err(e.to_string()))?;
+        let gpu = self.ready_gpu().await.map_err(|e| self.link_err(e))?;
+        // Gather while the receiver gets ready.
+        let staged = t.stage(&gpu, payload).await;
+        let go = rx
+            .await
+            .map_err(|_| self.link_err("link closed before the receiver answered"))?;
+        if !go {
+            torn.disarm();
+            return Ok(()); // the receiver drops this payload: nothing goes through NCCL
+        }
+        let turn = gpu_turn(gpu.ordinal).lock_owned().await;
+        let (g, closing) = (Arc::clone(&gpu), self.closing.clone());
+        tokio::task::spawn_blocking(move || {
+            let _turn = turn;
+            g.transfer(Dir::Send, bytes, &closing)
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()))
+        .map_err(|e| self.link_err(format!("sending a chunk through NCCL: {e}")))?;
+        wire::write(wr, &Control::Sent(staged.clone()))
+            .await
+            .map_err(|e| self.link_err(e.to_string()))?;
+        torn.disarm();
+        staged.map_err(|e| Error::Device(format!("staging a chunk for NCCL: {e}")))
+    }
+
+    /// A control message from the receiving side.
+    async fn reply(&self, msg: &Control) -> Result<()> {
+        let mut guard = self.writer.lock().await;
+        let Some(wr) = guard.as_mut() else {
+            return Err(self.link_err("link closed"));
+        };
+        self.write(wr, msg).await
+    }
+}
+
+impl Link for NcclLink {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn peer(&self) -> &str {
+        self.state.peer()
+    }
+
+    fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.state.guarded(self.send_message(header, payload)))
+    }
+
+    fn close(&self) {
+        self.state.close();
+    }
+}
+
+/// How a received chunk failed: only its payload (the link stays in step), or the link.
+enum Failure {
+    Payload(String),
+    Link(String),
+}
+
+/// The reading half of one link, run as a task.
+struct Reader {
+    inbox: Arc<dyn Inbox>,
+    link: Arc<NcclLink>,
+    transport: Weak<NcclTransport>,
+}
+
+impl Reader {
+    async fn run(self, mut rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
+        let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
+        let idle = (!self.link.sender_side).then_some(IDLE);
+        let natural = loop {
+            let next = async {
+                match idle {
+                    Some(d) => tokio::time::timeout(d, wire::read(&mut rd))
+                        .await
+                        .unwrap_or_else(|_| Err(format!("idle for {d:?}"))),
+                    None => wire::read(&mut rd).await,
+                }
+            };
+            let msg = tokio::select! {
+                m = next => m,
+                _ = closed.wait_for(|c| *c != Closed::Open) => break "link closed".to_string(),
+            };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(e) => break e,
+            };
+            if let Err(reason) = self.one(msg, &dyn_link, &mut rd, &mut closed).await {
+                break reason;
+            }
+        };
+        self.link.state.fail(natural);
+        let how = closed.borrow().clone();
+        lock(&self.link.go).take();
+        self.link.retire_gpu();
+        if let Some(t) = self.transport.upgrade() {
+            lock(&t.links).remove(&self.link.id);
+        }
+        if let Some(mut wr) = self.link.writer.lock().await.take() {
+            let _ = wr.shutdown().await;
+        }
+        if let Closed::Failed(reason) = how {
+            tracing::debug!(peer = %self.link.state.peer(), %reason, "nccl link closed");
+            self.inbox.on_link_closed(&dyn_link, reason);
+        }
+    }
+
+    async fn one(
+        &self,
+        msg: Control,
+        link: &Arc<dyn Link>,
+        rd: &mut OwnedReadHalf,
+        closed: &mut watch::Receiver<Closed>,
+    ) -> std::result::Result<(), String> {
+        let sender_side = self.link.sender_side;
+        match msg {
+            Control::Msg {
+                payload_len: 0,
+                header,
+            } => match self.inbox.on_message(link, &header, 0) {
+                Delivery::CloseLink(reason) => Err(reason),
+                Delivery::Discard => Ok(()),
+                Delivery::Into { token, .. } => {
+                    self.inbox.on_payload(link, token, Ok(()));
+                    Ok(())
+                }
+            },
+            Control::Msg { .. } if sender_side => Err("payload from the accepting side".into()),
+            Control::Msg {
+                payload_len,
+                header,
+            } => {
+                // A payload waits for the communicator before the inbox hears of it: the connector
+                // then counts only the bytes' movement as the chunk's, not the communicator's
+                // creation (a transfer's deadline never closes the link over it).
+                let gpu = tokio::select! {
+                    g = self.link.ready_gpu() => g?,
+                    _ = closed.wait_for(|c| *c != Closed::Open) => return Err("link closed".into()),
+                };
+                match self.inbox.on_message(link, &header, payload_len) {
+                    Delivery::CloseLink(reason) => Err(reason),
+                    Delivery::Discard => self
+                        .link
+                        .reply(&Control::Go(false))
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Delivery::Into { iovs, token } => {
+                        match self.receive(rd, closed, &gpu, payload_len, &iovs).await {
+                            Ok(()) => {
+                                self.inbox.on_payload(link, token, Ok(()));
+                                Ok(())
+                            }
+                            Err(Failure::Payload(reason)) => {
+                                self.inbox.on_payload(link, token, Err(reason));
+                                Ok(())
+                            }
+                            Err(Failure::Link(reason)) => {
+                                self.inbox.on_payload(
+                                    link,
+                                    token,
+                                    Err(format!("the payload was not written: {reason}")),
+                                );
+                                Err(reason)
+                            }
+                        }
+                    }
+                }
+            }
+            Control::Go(ready) if sender_side => match lock(&self.link.go).take() {
+                Some(tx) => {
+                    let _ = tx.send(ready);
+                    Ok(())
+                }
+                None => Err("a go-ahead nobody asked for".into()),
+            },
+            other => Err(format!("unexpected nccl control message {other:?}")),
+        }
+    }
+
+    /// Receives one chunk into the destination `iovs` (the receiver's half). On return nothing
+    /// writes the destination blocks any more.
+    async fn receive(
+        &self,
+        rd: &mut OwnedReadHalf,
+        closed: &mut watch::Receiver<Closed>,
+        gpu: &Arc<LinkGpu>,
+        payload_len: u64,
+        iovs: &[Iov],
+    ) -> std::result::Result<(), Failure> {
+        let link = &self.link;
+        let t = self
+            .transport
+            .upgrade()
+            .ok_or(Failure::Link("the transport is gone".into()))?;
+        let bb = t.memory.geometry().block_bytes() as u64;
+        let located = t
+            .memory
+            .blocks_of(iovs)
+            .filter(|(_, ids)| ids.len() as u64 * bb == payload_len);
+        let Some((layer, ids)) = located else {
+            return Err(Failure::Link(
+                "the destination is not whole blocks of one layer".into(),
+            ));
+        };
+        if payload_len > gpu.staging.bytes() as u64 {
+            return Err(Failure::Link(format!(
+                "a {payload_len}-byte chunk exceeds a staging buffer"
+            )));
+        }
+        let turn = tokio::select! {
+            t = gpu_turn(gpu.ordinal).lock_owned() => t,
+            _ = closed.wait_for(|c| *c != Closed::Open) => return Err(Failure::Link("link closed".into())),
+        };
+        link.reply(&Control::Go(true))
+            .await
+            .map_err(|e| Failure::Link(e.to_string()))?;
+        let (g, closing) = (Arc::clone(gpu), link.closing.clone());
+        let received = tokio::task::spawn_blocking(move || {
+            let _turn = turn;
+            g.transfer(Dir::Recv, payload_len as usize, &closing)
+        });
+        let report = tokio::select! {
+            m = wire::read(rd) => match m {
+                Ok(Control::Sent(verdict)) => Ok(verdict),
+                Ok(other) => Err(format!("expected the sender's report, got {other:?}")),
+                Err(e) => Err(e),
+            },
+            _ = closed.wait_for(|c| *c != Closed::Open) => Err("link closed".to_string()),
+        };
+        if let Err(reason) = &report {
+            link.state.fail(reason.clone()); // ends the receive's wait
+        }
+        let received = received.await.unwrap_or_else(|e| Err(e.to_string()));
+        let verdict = report.map_err(Failure::Link)?;
+        received.map_err(|e| Failure::Link(format!("receiving a chunk through NCCL: {e}")))?;
+        verdict.map_err(|e| {
+            Failure::Payload(format!("the sender could not stage the payload: {e}"))
+        })?;
+        t.unstage(gpu, layer, ids)
+            .await
+            .map_err(|e| Failure::Payload(format!("scattering a chunk: {e}")))
+    }
+}
+
+/// A bare NCCL pair between two GPUs of this process: the ceiling the nccl backend is measured
+/// against (`tandem bench kv --backend nccl --device cuda:A,cuda:B`).
+pub struct RawNcclPair {
+    /// One thread drives both ranks at a time.
+    pair: Mutex<ffi::Pair>,
+    devices: [i32; 2],
+}
+
+impl std::fmt::Debug for RawNcclPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawNcclPair")
+            .field("devices", &self.devices)
+            .finish()
+    }
+}
+
+impl RawNcclPair {
+    /// Creates a communicator of GPUs `src` (rank 0) and `dst` (rank 1). Blocks while NCCL
+    /// connects them.
+    pub fn new(src: i32, dst: i32) -> Result<RawNcclPair> {
+        if src == dst {
+            return Err(Error::Invalid(format!(
+                "an NCCL pair needs two GPUs, not GPU {src} twice"
+            )));
+        }
+        let (a, b) = (crate::device::context(src)?, crate::device::context(dst)?);
+        let pair = ffi::Pair::new(&a, &b).map_err(|e| {
+            Error::Device(format!(
+                "creating an NCCL pair of GPUs {src} and {dst}: {e}"
+            ))
+        })?;
+        Ok(RawNcclPair {
+            pair: Mutex::new(pair),
+            devices: [src, dst],
+        })
+    }
+
+    /// One `ncclSend`/`ncclRecv` of the first `bytes` of `src`'s allocation into `dst`'s; returns the
+    /// time from issuing it to both GPUs having finished. Blocks.
+    pub fn send(&self, src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<Duration> {
+        let on = |m: &KvMemory, d: i32| m.kind() == MemoryKind::Cuda { device: d };
+        let (Some(a), Some(b)) = (src.device_allocation(), dst.device_allocation()) else {
+            return Err(Error::Invalid(
+                "a raw NCCL send needs two device pools".into(),
+            ));
+        };
+        if !on(src, self.devices[0]) || !on(dst, self.devices[1]) {
+            return Err(Error::Invalid(format!(
+                "the pools are not on GPUs {} and {}",
+                self.devices[0], self.devices[1]
+            )));
+        }
+        if bytes > a.bytes.min(b.bytes) {
+            return Err(Error::Invalid(format!("{bytes} bytes exceed the pools")));
+        }
+        // SAFETY: both ranges lie inside live device allocations of their GPUs (checked above) that
+        // nothing else touches during a benchmark; the call waits for both GPUs before returning.
+        unsafe { lock(&self.pair).send(a.base, b.base, bytes) }
+            .map_err(|e| Error::Device(format!("raw NCCL send: {e}")))
+    }
+}

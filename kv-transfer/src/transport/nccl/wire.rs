@@ -1,0 +1,419 @@
+//! The nccl backend's control channel: what the two ends say over TCP (the bytes themselves go
+//! through NCCL). Every message is a kind byte, a `u32` length and a body of at most 64 KiB;
+//! decoding checks every length and never panics or allocates more than the body it was given.
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::ffi::{UNIQUE_ID_BYTES, UniqueId, version_text};
+
+/// Version of this control protocol.
+pub(crate) const VERSION: u16 = 1;
+/// Largest control message body.
+pub(crate) const MAX_MESSAGE: usize = 64 * 1024;
+/// Longest reason text carried (longer ones are cut at a character boundary).
+const MAX_REASON: usize = 1024;
+
+const K_HELLO: u8 = 1;
+const K_ACCEPT: u8 = 2;
+const K_REFUSE: u8 = 3;
+const K_MSG: u8 = 4;
+const K_GO: u8 = 5;
+const K_SENT: u8 = 6;
+
+/// What each end states at connect: protocol and NCCL versions, its GPU, its pool's layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Side {
+    /// Control protocol version ([`VERSION`]).
+    pub(crate) version: u16,
+    /// NCCL version code this end loaded.
+    pub(crate) nccl: i32,
+    /// The pool's GPU (`cuDeviceGetUuid`).
+    pub(crate) gpu: [u8; 16],
+    /// Bytes of one block.
+    pub(crate) block_bytes: u64,
+    /// Layers of the pool.
+    pub(crate) num_layers: u32,
+}
+
+const SIDE_BYTES: usize = 2 + 4 + 16 + 8 + 4;
+
+impl Side {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.reserve(SIDE_BYTES);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&self.nccl.to_le_bytes());
+        out.extend_from_slice(&self.gpu);
+        out.extend_from_slice(&self.block_bytes.to_le_bytes());
+        out.extend_from_slice(&self.num_layers.to_le_bytes());
+    }
+
+    fn take(r: &mut Cursor<'_>) -> Result<Side, String> {
+        Ok(Side {
+            version: r.u16()?,
+            nccl: r.i32()?,
+            gpu: r.take()?,
+            block_bytes: r.u64()?,
+            num_layers: r.u32()?,
+        })
+    }
+
+    /// Whether both pools have the same layout (block bytes and layers); a link between pools of
+    /// different layouts carries no payload (the connector's handshake refuses it, with the reason).
+    pub(crate) fn same_layout(&self, peer: &Side) -> bool {
+        self.block_bytes == peer.block_bytes && self.num_layers == peer.num_layers
+    }
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
+pub(crate) fn gpu_name(uuid: &[u8; 16]) -> String {
+    let h: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// Whether `mine` may open a communicator with `peer`: same control protocol, same NCCL major.minor
+/// (NCCL does not promise anything across versions), and two different GPUs (NCCL refuses two ranks
+/// on one GPU). Pool layouts are the connector's handshake's to refuse.
+pub(crate) fn check_peer(mine: &Side, peer: &Side) -> Result<(), String> {
+    if peer.version != mine.version {
+        return Err(format!(
+            "nccl control protocol: this side speaks {}, the peer {}",
+            mine.version, peer.version
+        ));
+    }
+    if peer.nccl / 100 != mine.nccl / 100 {
+        return Err(format!(
+            "NCCL versions differ: this side loads {}, the peer {} (both ends must load the same NCCL major.minor)",
+            version_text(mine.nccl),
+            version_text(peer.nccl)
+        ));
+    }
+    if peer.gpu == mine.gpu {
+        return Err(format!(
+            "both pools are on the same GPU ({}): nccl connects two GPUs (use cuda-ipc within one GPU)",
+            gpu_name(&mine.gpu)
+        ));
+    }
+    Ok(())
+}
+
+/// One control message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Control {
+    /// Sender → receiver, first: who is connecting.
+    Hello(Side),
+    /// Receiver → sender: accepted; the receiver's side and the communicator's rendezvous id.
+    Accept(Side, UniqueId),
+    /// Receiver → sender: refused, and why.
+    Refuse(String),
+    /// Either way: one transport message (a connector frame) announcing `payload_len` bytes
+    /// (only from the sender) that travel through NCCL if the receiver wants them.
+    Msg {
+        /// Payload bytes that follow through NCCL (0: none).
+        payload_len: u64,
+        /// The connector's frame header.
+        header: Vec<u8>,
+    },
+    /// Receiver → sender, for a message with a payload: `true` the receive is posted (send it),
+    /// `false` the receiver discards it (send nothing).
+    Go(bool),
+    /// Sender → receiver after its send completed: whether the bytes sent are the payload (`Err`:
+    /// staging failed; the bytes were sent anyway, to keep the pair's NCCL operations matched).
+    Sent(Result<(), String>),
+}
+
+fn cut(reason: &str) -> &str {
+    let mut end = reason.len().min(MAX_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
+impl Control {
+    fn kind(&self) -> u8 {
+        match self {
+            Control::Hello(_) => K_HELLO,
+            Control::Accept(..) => K_ACCEPT,
+            Control::Refuse(_) => K_REFUSE,
+            Control::Msg { .. } => K_MSG,
+            Control::Go(_) => K_GO,
+            Control::Sent(_) => K_SENT,
+        }
+    }
+
+    /// The message on the wire: kind, body length, body.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut body = Vec::new();
+        match self {
+            Control::Hello(side) => side.put(&mut body),
+            Control::Accept(side, id) => {
+                side.put(&mut body);
+                body.extend_from_slice(&id.0);
+            }
+            Control::Refuse(reason) => body.extend_from_slice(cut(reason).as_bytes()),
+            Control::Msg {
+                payload_len,
+                header,
+            } => {
+                body.extend_from_slice(&payload_len.to_le_bytes());
+                body.extend_from_slice(header);
+            }
+            Control::Go(ready) => body.push(u8::from(*ready)),
+            Control::Sent(Ok(())) => body.push(1),
+            Control::Sent(Err(reason)) => {
+                body.push(0);
+                body.extend_from_slice(cut(reason).as_bytes());
+            }
+        }
+        let mut out = Vec::with_capacity(5 + body.len());
+        out.push(self.kind());
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// Decodes one message's `kind` and `body`.
+    pub(crate) fn decode(kind: u8, body: &[u8]) -> Result<Control, String> {
+        let mut r = Cursor { buf: body };
+        let text =
+            |b: &[u8]| cut(&String::from_utf8_lossy(&b[..b.len().min(MAX_REASON)])).to_string();
+        let msg = match kind {
+            K_HELLO => Control::Hello(Side::take(&mut r)?),
+            K_ACCEPT => {
+                let side = Side::take(&mut r)?;
+                Control::Accept(side, UniqueId(r.take::<UNIQUE_ID_BYTES>()?))
+            }
+            K_REFUSE => return Ok(Control::Refuse(text(body))),
+            K_MSG => {
+                let payload_len = r.u64()?;
+                return Ok(Control::Msg {
+                    payload_len,
+                    header: r.buf.to_vec(),
+                });
+            }
+            K_GO => match r.u8()? {
+                0 => Control::Go(false),
+                1 => Control::Go(true),
+                b => return Err(format!("a go-ahead of {b}")),
+            },
+            K_SENT => match r.u8()? {
+                1 => Control::Sent(Ok(())),
+                0 => return Ok(Control::Sent(Err(text(r.buf)))),
+                b => return Err(format!("a send report of {b}")),
+            },
+            k => return Err(format!("unknown nccl control message {k}")),
+        };
+        if !r.buf.is_empty() {
+            return Err(format!(
+                "{} stray bytes after nccl control message {kind}",
+                r.buf.len()
+            ));
+        }
+        Ok(msg)
+    }
+}
+
+/// Writes `msg` whole.
+pub(crate) async fn write<W: AsyncWrite + Unpin>(w: &mut W, msg: &Control) -> std::io::Result<()> {
+    w.write_all(&msg.encode()).await
+}
+
+/// Reads and decodes one message.
+pub(crate) async fn read<R: AsyncRead + Unpin>(r: &mut R) -> Result<Control, String> {
+    let mut head = [0u8; 5];
+    r.read_exact(&mut head).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            "peer closed the connection".to_string()
+        } else {
+            e.to_string()
+        }
+    })?;
+    let len = u32::from_le_bytes(head[1..5].try_into().expect("4 bytes")) as usize;
+    if len > MAX_MESSAGE {
+        return Err(format!("a control message of {len} bytes"));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await.map_err(|e| e.to_string())?;
+    Control::decode(head[0], &body)
+}
+
+/// Reads little-endian fields; running past the end is an error, never a panic.
+struct Cursor<'a> {
+    buf: &'a [u8],
+}
+
+impl Cursor<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        if self.buf.len() < N {
+            return Err("nccl control message too short".into());
+        }
+        let (head, tail) = self.buf.split_at(N);
+        self.buf = tail;
+        Ok(head.try_into().expect("N bytes"))
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, String> {
+        Ok(u16::from_le_bytes(self.take()?))
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take()?))
+    }
+    fn i32(&mut self) -> Result<i32, String> {
+        Ok(i32::from_le_bytes(self.take()?))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn side(gpu: u8) -> Side {
+        Side {
+            version: VERSION,
+            nccl: 22703,
+            gpu: [gpu; 16],
+            block_bytes: 65536,
+            num_layers: 32,
+        }
+    }
+
+    fn samples() -> Vec<Control> {
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        id.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+        vec![
+            Control::Hello(side(1)),
+            Control::Accept(side(2), UniqueId(id)),
+            Control::Refuse("both pools are on the same GPU ✗".into()),
+            Control::Msg {
+                payload_len: 0,
+                header: vec![],
+            },
+            Control::Msg {
+                payload_len: 1 << 24,
+                header: vec![7; 300],
+            },
+            Control::Go(true),
+            Control::Go(false),
+            Control::Sent(Ok(())),
+            Control::Sent(Err("the payload is not whole blocks".into())),
+        ]
+    }
+
+    async fn through_the_wire(msg: &Control) -> Result<Control, String> {
+        let bytes = msg.encode();
+        read(&mut &bytes[..]).await
+    }
+
+    #[tokio::test]
+    async fn every_message_round_trips() {
+        for m in samples() {
+            assert_eq!(through_the_wire(&m).await.unwrap(), m);
+        }
+    }
+
+    #[tokio::test]
+    async fn long_reasons_are_cut_at_a_character() {
+        let long = "é".repeat(MAX_REASON);
+        let Control::Refuse(back) = through_the_wire(&Control::Refuse(long.clone()))
+            .await
+            .unwrap()
+        else {
+            panic!()
+        };
+        assert!(
+            back.len() <= MAX_REASON && long.starts_with(&back),
+            "{}",
+            back.len()
+        );
+    }
+
+    #[tokio::test]
+    async fn oversized_and_truncated_messages_are_errors() {
+        let mut big = vec![K_MSG];
+        big.extend_from_slice(&((MAX_MESSAGE + 1) as u32).to_le_bytes());
+        assert!(read(&mut &big[..]).await.unwrap_err().contains("bytes"));
+        let hello = Control::Hello(side(1)).encode();
+        assert!(read(&mut &hello[..hello.len() - 1]).await.is_err());
+        // A body one byte longer than its kind takes.
+        let mut long = hello.clone();
+        long.push(0);
+        long[1..5].copy_from_slice(&((SIDE_BYTES + 1) as u32).to_le_bytes());
+        assert!(read(&mut &long[..]).await.unwrap_err().contains("stray"));
+    }
+
+    #[test]
+    fn peers_are_checked() {
+        let (a, b) = (side(1), side(2));
+        assert!(check_peer(&a, &b).is_ok());
+        let same = check_peer(&a, &a).unwrap_err();
+        assert!(
+            same.contains("same GPU") && same.contains("GPU-01010101-0101-0101-0101-010101010101"),
+            "{same}"
+        );
+        let old = Side { nccl: 22605, ..b };
+        assert!(check_peer(&a, &old).unwrap_err().contains("2.26.5"));
+        // Patch levels may differ.
+        assert!(check_peer(&a, &Side { nccl: 22701, ..b }).is_ok());
+        assert!(
+            check_peer(
+                &a,
+                &Side {
+                    version: VERSION + 1,
+                    ..b
+                }
+            )
+            .unwrap_err()
+            .contains("protocol")
+        );
+        // Layouts are not this check's business (the connector's handshake says why they differ).
+        assert!(
+            check_peer(
+                &a,
+                &Side {
+                    block_bytes: 1,
+                    ..b
+                }
+            )
+            .is_ok()
+        );
+        assert!(
+            !a.same_layout(&Side {
+                block_bytes: 1,
+                ..b
+            }) && a.same_layout(&b)
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 4096, ..ProptestConfig::default() })]
+        #[test]
+        fn garbage_never_panics(kind in 0u8..10, body in proptest::collection::vec(any::<u8>(), 0..400)) {
+            if let Ok(m) = Control::decode(kind, &body) {
+                // Whatever decodes re-encodes to a message that decodes the same.
+                let bytes = m.encode();
+                prop_assert_eq!(Control::decode(bytes[0], &bytes[5..]).unwrap(), m);
+            }
+        }
+
+        #[test]
+        fn sides_round_trip(version: u16, nccl: i32, gpu: [u8; 16], block_bytes: u64, num_layers: u32) {
+            let s = Side { version, nccl, gpu, block_bytes, num_layers };
+            let bytes = Control::Hello(s).encode();
+            prop_assert_eq!(bytes.len(), 5 + SIDE_BYTES);
+            prop_assert_eq!(Control::decode(bytes[0], &bytes[5..]).unwrap(), Control::Hello(s));
+        }
+    }
+}
