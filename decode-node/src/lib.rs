@@ -297,6 +297,6 @@ impl Decode for DecodeNode {
     }
 
     async fn info(&self, _request: Request<node::InfoRequest>) -> Result<Response<node::InfoResponse>, Status> {
-        Ok(Response::new(self.core.info.clone()))
+        Ok(Response::new(self.core.info_now().await?))
     }
 }

@@ -129,8 +129,25 @@ impl NodeCore {
             max_model_len: max_model_len as u32,
             geometry: Some(convert::geometry_to_proto(&geometry)),
             tokenizer_files: tokenizer_files_to_map(&tokenizer_files),
+            load: None,
+            kv_backend: String::new(),
         };
         Ok(NodeCore { engine, connector, geometry, model_name: setup.model_name, vocab_size, block_size, max_model_len, num_blocks, info })
+    }
+
+    /// The `Info` answer with the node's load now (blocks and queues read from the engine thread).
+    pub async fn info_now(&self) -> Result<node::InfoResponse, NodeError> {
+        let load = self.engine.load().await?;
+        let mut info = self.info.clone();
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        info.load = Some(node::NodeLoad {
+            total_blocks: n(load.total_blocks),
+            free_blocks: n(load.free_blocks),
+            waiting: n(load.waiting),
+            running: n(load.running),
+        });
+        info.kv_backend = self.connector.backend().to_string();
+        Ok(info)
     }
 
     /// Refuses token ids outside the vocabulary (the engine trusts ids it is given).

@@ -172,6 +172,6 @@ impl Prefill for PrefillNode {
     }
 
     async fn info(&self, _request: Request<node::InfoRequest>) -> Result<Response<node::InfoResponse>, Status> {
-        Ok(Response::new(self.core.info.clone()))
+        Ok(Response::new(self.core.info_now().await?))
     }
 }

@@ -629,3 +629,34 @@ async fn hostile_prefill_peers_cannot_poison_the_cache_or_fail_other_requests() 
     let mut nodes = cluster.membership().await;
     wait_all_blocks_free(&mut nodes, 2).await;
 }
+
+/// Operators (and soak tests) read a node's blocks and queues from its `Info`, not only from etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_info_reports_blocks_queues_and_backend() {
+    let cluster = Cluster::start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let mut node = DecodeClient::connect(format!("http://{}", cluster.decode_addrs[0])).await.expect("decode node");
+    let info = node.info(node::InfoRequest {}).await.expect("info").into_inner();
+    let load = info.load.expect("load");
+    assert_eq!(info.kv_backend, "tcp");
+    assert!(load.total_blocks > 0);
+    assert_eq!((load.free_blocks, load.running, load.waiting), (load.total_blocks, 0, 0), "idle: {load:?}");
+    let mut client = cluster.client().await;
+    let mut req = text_request("Write a very long story about a lighthouse keeper.", 300);
+    req.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut stream = client.generate(req).await.expect("start").into_inner();
+    stream.next().await.expect("a token").expect("ok");
+    let busy = node.info(node::InfoRequest {}).await.expect("info").into_inner().load.expect("load");
+    assert_eq!(busy.running, 1, "{busy:?}");
+    assert!(busy.free_blocks < busy.total_blocks, "{busy:?}");
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = node.info(node::InfoRequest {}).await.expect("info").into_inner().load.expect("load");
+        if l.running == 0 && l.free_blocks == l.total_blocks {
+            break;
+        }
+        assert!(Instant::now() < deadline, "blocks not freed after the client left: {l:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
