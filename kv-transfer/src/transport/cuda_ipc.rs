@@ -392,11 +392,15 @@ impl IpcLink {
         let (Some(pool), Some(transport)) = (&self.pool, self.transport.upgrade()) else {
             return Err(Error::Unsupported { backend: "cuda-ipc".into(), what: "payloads from the accepting side".into() });
         };
+        // Abandoning the exchange midway (the transfer's deadline drops this future) must not leave the
+        // peer waiting for a report: the link fails instead.
+        let mut exchange = self.state.torn_guard();
         let (tx, rx) = oneshot::channel();
         *lock(&self.write_to) = Some(tx);
         self.write(wr, K_MSG, &msg).await?;
         let to = rx.await.map_err(|_| self.state.err("link closed before the receiver named the destination"))?;
         if to.discard {
+            exchange.disarm();
             return Ok(());
         }
         let copied = transport.copy(pool, payload, &to);
@@ -406,6 +410,7 @@ impl IpcLink {
             report.truncate(1024);
         }
         self.write(wr, K_WRITTEN, &report).await?;
+        exchange.disarm();
         copied
     }
 
