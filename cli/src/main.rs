@@ -106,16 +106,26 @@ impl CacheArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| "warn".into()))
-        .init();
+    init_logs();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Logs go to stderr, filtered by `TANDEM_LOG` (default `warn`): plain text, with colours only when
+/// stderr is a terminal, or one JSON object per line with `TANDEM_LOG_FORMAT=json`.
+fn init_logs() {
+    use std::io::IsTerminal;
+    let filter = || tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| "warn".into());
+    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr);
+    if std::env::var("TANDEM_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
+        builder.json().with_env_filter(filter()).init();
+    } else {
+        builder.with_ansi(std::io::stderr().is_terminal()).with_env_filter(filter()).init();
     }
 }
 

@@ -150,8 +150,8 @@ impl DecodeNode {
                             request_id = %req.request_id,
                             prompt_tokens = prompt.len(),
                             completion_tokens,
-                            ttft_ms = first_token_at.map(|t| (t - t0).as_secs_f64() * 1e3).unwrap_or(0.0),
-                            total_ms = t0.elapsed().as_secs_f64() * 1e3,
+                            ttft_ms = first_token_at.map(|t| tandem_node::ms(t - t0)).unwrap_or(0.0),
+                            total_ms = tandem_node::ms(t0.elapsed()),
                             %timings,
                             "decode done"
                         );

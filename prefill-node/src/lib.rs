@@ -110,7 +110,7 @@ impl PrefillNode {
                 peer = %endpoint,
                 backend = core.connector.backend(),
                 bytes = stats.bytes,
-                gb_per_s = format!("{:.2}", stats.bytes_per_sec() / 1e9),
+                gb_per_s = tandem_node::round2(stats.bytes_per_sec() / 1e9),
                 "first KV transfer to this decode node"
             );
         }
@@ -119,10 +119,10 @@ impl PrefillNode {
             request_id = %req.request_id,
             prompt_tokens = req.prompt.len(),
             skipped_blocks = skip,
-            prefill_ms = (prefill_done - started).as_secs_f64() * 1e3,
+            prefill_ms = tandem_node::ms(prefill_done - started),
             transfer_bytes = stats.bytes,
-            transfer_ms = stats.elapsed.as_secs_f64() * 1e3,
-            transfer_gb_per_s = stats.bytes_per_sec() / 1e9,
+            transfer_ms = tandem_node::ms(stats.elapsed),
+            transfer_gb_per_s = tandem_node::round2(stats.bytes_per_sec() / 1e9),
             "prefill done"
         );
         Ok(node::PrefillResponse {

@@ -68,8 +68,14 @@ pub fn fixture(rel: &str) -> PathBuf {
 
 /// Runs `tandem ARGS`, killing it after `limit`; returns its output.
 pub fn run_tandem(args: &[&str], limit: Duration) -> Output {
+    run_tandem_env(args, &[], limit)
+}
+
+/// [`run_tandem`] with extra environment variables.
+pub fn run_tandem_env(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
     let mut child = Command::new(tandem_bin())
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

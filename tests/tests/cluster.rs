@@ -612,3 +612,32 @@ async fn node_info_reports_blocks_queues_and_backend() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Logs read well where they go: no colour codes when stderr is not a terminal, durations rounded,
+/// and one JSON object per line with `TANDEM_LOG_FORMAT=json`.
+#[test]
+fn logs_are_plain_rounded_or_json() {
+    let model = smollm2_dir();
+    let model = model.to_str().unwrap();
+    let args = ["up", "--model", model, "--listen", "127.0.0.1:0", "--max-tokens", "4", "--prompt", "Hello there"];
+    let out = tandem_tests::run_tandem_env(&args, &[("TANDEM_LOG", "info")], Duration::from_secs(300));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!err.contains('\u{1b}'), "colour codes in a piped log:\n{err}");
+    let line = err.lines().find(|l| l.contains("decode done")).unwrap_or_else(|| panic!("no decode line:\n{err}"));
+    let ttft = line.split("ttft_ms=").nth(1).and_then(|r| r.split_whitespace().next()).expect("ttft_ms field");
+    let decimals = ttft.split('.').nth(1).map_or(0, str::len);
+    assert!(decimals <= 2, "ttft_ms={ttft} is not rounded: {line}");
+    let out = tandem_tests::run_tandem_env(&args, &[("TANDEM_LOG", "info"), ("TANDEM_LOG_FORMAT", "json")], Duration::from_secs(300));
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    let mut seen = 0;
+    for l in err.lines().filter(|l| l.starts_with('{')) {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        if v["fields"]["message"] == "decode done" {
+            assert!(v["fields"]["ttft_ms"].is_number(), "{l}");
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, 1, "one JSON decode line expected:\n{err}");
+}
