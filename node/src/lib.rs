@@ -5,6 +5,7 @@ pub mod convert;
 mod engine_thread;
 mod error;
 pub mod kv;
+pub mod metrics;
 mod peers;
 mod setup;
 

@@ -104,6 +104,11 @@ impl PrefillNode {
         // Either way the transfer is over: the blocks can go.
         guard.id = None;
         core.engine.release(id);
+        let metrics = tandem_node::metrics::node();
+        match &verdict {
+            Ok(stats) => metrics.transfer_done(core.connector.backend(), stats),
+            Err(e) => metrics.transfer_failed(core.connector.backend(), e),
+        }
         let stats = verdict?;
         if lock(&reached).insert(endpoint.clone()) {
             tracing::info!(

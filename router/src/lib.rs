@@ -11,6 +11,7 @@
 //!   [`Router::open`]: one place resolves the model, tokenizes, validates and routes.
 
 pub mod http;
+mod metrics;
 pub mod policy;
 mod relay;
 
@@ -103,6 +104,7 @@ pub(crate) struct ModelSummary {
 impl Router {
     /// A router over a membership snapshot stream.
     pub fn new(nodes: watch::Receiver<Vec<NodeInfo>>, policy: Policy) -> Router {
+        metrics::watch_membership(nodes.clone());
         Router {
             inner: Arc::new(Inner {
                 nodes,
@@ -260,6 +262,7 @@ impl Router {
         }
         .cloned();
         lock(&self.inner.prefix).record(&hashes, &decode.id);
+        metrics::routed(self.inner.policy, prefill.is_some());
         let request_id = if req.request_id.is_empty() {
             format!("req-{}", self.inner.next_id.fetch_add(1, Ordering::Relaxed))
         } else {
@@ -272,6 +275,7 @@ impl Router {
     /// Resolves the model, tokenizes, validates, routes and opens the decode node's stream: what every
     /// front end calls. Dropping the returned relay aborts the request on every node.
     pub(crate) async fn open(&self, req: api::GenerateRequest, max_tokens: MaxTokens) -> Result<Relay, NodeError> {
+        let started = Instant::now();
         let (routed, decode, prefill) = self.route(req, max_tokens).await?;
         tracing::info!(
             request_id = %routed.request_id,
@@ -291,7 +295,7 @@ impl Router {
         match client.generate(call).await {
             Ok(stream) => Ok(Relay::new(
                 self.clone(),
-                relay::Opened { request_id: routed.request_id, model: routed.model, tokenizer: routed.tokenizer, decode_id: decode.id },
+                relay::Opened { request_id: routed.request_id, model: routed.model, tokenizer: routed.tokenizer, decode_id: decode.id, started },
                 stream.into_inner(),
             )),
             Err(s) => {

@@ -5,10 +5,13 @@
 //!   prefill); a relay dropped before the last message logs that it was cancelled.
 //! - A decode node that fails mid-stream (unavailable, or an unknown error) is quarantined and the
 //!   failure reaches the caller as UNAVAILABLE; the relay ends after its first error.
+//! - The relay is where the router's latency metrics are measured (see [`crate::metrics`]): it counts
+//!   as running from [`Relay::new`] to its drop.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
+use std::time::Instant;
 
 use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1 as api;
@@ -23,6 +26,8 @@ pub(crate) struct Opened {
     pub(crate) model: String,
     pub(crate) tokenizer: Arc<Tokenizer>,
     pub(crate) decode_id: String,
+    /// When the request reached the router (TTFT and end-to-end latency count from here).
+    pub(crate) started: Instant,
 }
 
 /// An opened request: a stream of the decode node's messages, the last one carrying the finish reason
@@ -32,6 +37,8 @@ pub(crate) struct Relay {
     opened: Opened,
     upstream: tonic::Streaming<api::GenerateResponse>,
     ended: bool,
+    /// When the last message with tokens arrived (none yet: the next one is the first token).
+    last_token_at: Option<Instant>,
 }
 
 impl Relay {
@@ -40,11 +47,13 @@ impl Relay {
         opened: Opened,
         upstream: tonic::Streaming<api::GenerateResponse>,
     ) -> Relay {
+        crate::metrics::router().running.inc();
         Relay {
             router,
             opened,
             upstream,
             ended: false,
+            last_token_at: None,
         }
     }
 
@@ -64,6 +73,35 @@ impl Relay {
     }
 }
 
+impl Relay {
+    /// Records a message's latencies and, for the last one, the request's outcome and tokens.
+    fn record(&mut self, msg: &api::GenerateResponse) {
+        let m = crate::metrics::router();
+        let now = Instant::now();
+        if !msg.token_ids.is_empty() {
+            match self.last_token_at {
+                None => m.ttft.observe_duration(now - self.opened.started),
+                Some(t) => m.itl.observe_duration(now - t),
+            }
+            self.last_token_at = Some(now);
+        }
+        if self.ended {
+            let reason = match api::FinishReason::try_from(msg.finish_reason) {
+                Ok(api::FinishReason::Stop) => "stop",
+                Ok(api::FinishReason::Length) => "length",
+                Ok(api::FinishReason::Abort) => "abort",
+                _ => "unknown",
+            };
+            m.success.inc(&[reason]);
+            m.e2e.observe_duration(now - self.opened.started);
+            if let Some(u) = &msg.usage {
+                m.prompt_tokens.add(u64::from(u.prompt_tokens));
+                m.generation_tokens.add(u64::from(u.completion_tokens));
+            }
+        }
+    }
+}
+
 impl Stream for Relay {
     type Item = Result<api::GenerateResponse, Status>;
 
@@ -79,6 +117,7 @@ impl Stream for Relay {
             }
             Some(Ok(msg)) => {
                 self.ended = msg.finish_reason != api::FinishReason::Unspecified as i32;
+                self.record(&msg);
                 Some(Ok(msg))
             }
             Some(Err(s)) => {
@@ -100,6 +139,7 @@ impl Stream for Relay {
 
 impl Drop for Relay {
     fn drop(&mut self) {
+        crate::metrics::router().running.dec();
         if !self.ended {
             tracing::info!(request_id = %self.opened.request_id, "client cancelled");
         }

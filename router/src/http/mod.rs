@@ -92,6 +92,7 @@ pub fn app(router: Router) -> axum::Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
         .with_state(state)
 }
@@ -247,6 +248,12 @@ async fn model(State(http): State<Http>, Path(id): Path<String>) -> Response {
         )))
         .into_response(),
     }
+}
+
+/// The router's Prometheus metrics.
+async fn metrics(State(http): State<Http>) -> Response {
+    let text = crate::metrics::render(http.router.node_counts());
+    (StatusCode::OK, [(header::CONTENT_TYPE, tandem_node::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 /// 200 while a decode node is live (the router can serve), 503 otherwise.
