@@ -71,11 +71,6 @@ fn host_key() -> u64 {
     twox_hash::XxHash3_64::oneshot(id.as_bytes())
 }
 
-/// The test hook `TANDEM_KV_TEST_CORRUPT_CHUNK=N`: every Nth chunk this process copies gets one byte
-/// flipped in its destination after the copy, so the receiver's verification must catch it.
-fn corrupt_every() -> Option<u64> {
-    std::env::var("TANDEM_KV_TEST_CORRUPT_CHUNK").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0)
-}
 
 
 /// A peer pool opened for writing: where each layer's blocks start in this process's address space.
@@ -160,7 +155,7 @@ impl CudaIpcTransport {
             next_link: AtomicU64::new(1),
             accept: Mutex::new(None),
             shut: AtomicBool::new(false),
-            corrupt_every: opts.corrupt_every.or_else(corrupt_every),
+            corrupt_every: opts.corrupt_every.or_else(super::corrupt_every_from_env),
             copied: AtomicU64::new(0),
             me: me.clone(),
         });

@@ -26,6 +26,13 @@ pub mod nccl;
 pub mod plugin;
 pub mod tcp;
 
+/// The device backends' integrity test hook, `TANDEM_KV_TEST_CORRUPT_CHUNK=N`: every Nth chunk a
+/// transport of this process moves gets one byte flipped in its destination after the move, so the
+/// receiver's verification must catch it (for tests that drive whole processes).
+pub(crate) fn corrupt_every_from_env() -> Option<u64> {
+    std::env::var("TANDEM_KV_TEST_CORRUPT_CHUNK").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0)
+}
+
 /// A boxed, sendable future (the transport traits stay object-safe without extra crates).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

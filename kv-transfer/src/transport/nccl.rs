@@ -98,13 +98,6 @@ const MAX_INCOMING: usize = 64;
 const RANK_RECEIVER: i32 = 0;
 const RANK_SENDER: i32 = 1;
 
-/// The test hook `TANDEM_KV_TEST_CORRUPT_CHUNK=N`.
-fn corrupt_every() -> Option<u64> {
-    std::env::var("TANDEM_KV_TEST_CORRUPT_CHUNK")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n| n > 0)
-}
 
 /// GPU `ordinal`'s turn: held by a link from posting an NCCL operation until it completed.
 fn gpu_turn(ordinal: i32) -> Arc<tokio::sync::Mutex<()>> {
@@ -195,7 +188,7 @@ impl NcclTransport {
             next_link: AtomicU64::new(1),
             accept: Mutex::new(None),
             shut: AtomicBool::new(false),
-            corrupt_every: opts.corrupt_every.or_else(corrupt_every),
+            corrupt_every: opts.corrupt_every.or_else(super::corrupt_every_from_env),
             staged: AtomicU64::new(0),
             me: me.clone(),
         });
