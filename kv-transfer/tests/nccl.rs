@@ -134,8 +134,7 @@ macro_rules! on_two_gpus {
     };
 }
 
-// Every device case but the corrupted chunk, which the suite injects through cuda-ipc's hook only:
-// `corrupted_chunk_is_caught_on_the_receivers_gpu` below covers it with nccl's.
+// Every device case (the corrupted chunk through nccl's own test hook).
 on_two_gpus!([
     round_trip_bit_exact,
     layers_land_in_order,
@@ -145,6 +144,7 @@ on_two_gpus!([
     receiver_cancel_frees_both_sides,
     receiver_disappears,
     sender_disappears,
+    corrupted_chunk_detected,
     handshake_mismatch_refused,
     unknown_destination_fails_fast,
     unknown_transfer_rejected,
@@ -153,13 +153,13 @@ on_two_gpus!([
     large_transfer_256mib,
 ]);
 
-/// The list above is every device case but the corrupted chunk.
+/// The list above is every device case.
 #[test]
 fn every_device_case_is_listed() {
     let src = include_str!("nccl.rs");
     for case in tandem_kv_transfer::conformance::CASES {
         let listed = src.contains(&format!("    {case},\n"));
-        let device = !HOST_ONLY_CASES.contains(case) && *case != "corrupted_chunk_detected";
+        let device = !HOST_ONLY_CASES.contains(case);
         assert_eq!(listed, device, "case {case}");
     }
 }

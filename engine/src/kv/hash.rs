@@ -23,16 +23,9 @@ fn fnv1a64_from(mut state: u64, bytes: &[u8]) -> u64 {
     state
 }
 
-/// Avalanche finalizer (the MurmurHash3 `fmix64` constants): every input bit affects every
-/// output bit, which FNV alone does poorly for the last bytes.
-fn fmix64(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^= x >> 33;
-    x
-}
+// The avalanche finalizer (MurmurHash3's `fmix64`): every input bit affects every output bit,
+// which FNV alone does poorly for the last bytes.
+use tandem_kernels::cpu::fmix64;
 
 /// Hash of one full block with token ids `tokens` whose preceding block hashed to `parent`
 /// ([`ROOT_HASH`] for the first block).

@@ -23,8 +23,9 @@ const WORD_MUL: u64 = 0x9E37_79B9_7F4A_7C15;
 /// The constant added to the key, so word 0 is mixed with a non-zero key.
 const WORD_ADD: u64 = 0x2545_F491_4F6C_DD1D;
 
-/// MurmurHash3's 64-bit finaliser: a bijection on `u64`.
-fn fmix64(mut x: u64) -> u64 {
+/// MurmurHash3's 64-bit finaliser: a bijection on `u64` in which every input bit affects every
+/// output bit (also the engine's block-hash finaliser).
+pub fn fmix64(mut x: u64) -> u64 {
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
     x ^= x >> 33;

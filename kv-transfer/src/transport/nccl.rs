@@ -345,67 +345,41 @@ impl NcclTransport {
         }
         let n = self.staged.fetch_add(1, Ordering::Relaxed) + 1;
         let corrupt = self.corrupt_every.is_some_and(|k| n.is_multiple_of(k));
-        let (memory, device, gpu) = (
-            Arc::clone(&self.memory),
-            Arc::clone(&self.device),
-            Arc::clone(gpu),
-        );
-        tokio::task::spawn_blocking(move || {
-            let slots: Vec<u32> = (0..ids.len() as u32).collect();
-            let src = Blocks {
-                base: memory.layer_base(layer) as u64,
-                num_blocks: memory.num_blocks(),
-                ids: &ids,
-            };
-            let dst = Blocks {
-                base: gpu.staging.ptr(),
-                num_blocks: MAX_CHUNK_BLOCKS,
-                ids: &slots,
-            };
-            let gathered = device
-                .copy(src, dst, bb, corrupt)
-                .map(|_| ())
-                .map_err(|e| e.to_string());
-            drop(payload); // the source blocks are not read any more
-            gathered
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()))
+        // The payload keeps the source blocks claimed until the gather has run.
+        self.staging_copy(gpu, layer, ids, Staging::Gather { corrupt, _payload: payload }).await
     }
 
     /// Scatters the link's staging buffer into blocks `ids` of `layer` (the receiver's last step).
-    async fn unstage(
-        &self,
-        gpu: &Arc<LinkGpu>,
-        layer: u32,
-        ids: Vec<u32>,
-    ) -> std::result::Result<(), String> {
+    async fn unstage(&self, gpu: &Arc<LinkGpu>, layer: u32, ids: Vec<u32>) -> std::result::Result<(), String> {
+        self.staging_copy(gpu, layer, ids, Staging::Scatter).await
+    }
+
+    /// Copies blocks `ids` of `layer` into the staging buffer's first slots, or back out of them.
+    async fn staging_copy(&self, gpu: &Arc<LinkGpu>, layer: u32, ids: Vec<u32>, way: Staging) -> std::result::Result<(), String> {
         let bb = self.memory.geometry().block_bytes();
-        let (memory, device, gpu) = (
-            Arc::clone(&self.memory),
-            Arc::clone(&self.device),
-            Arc::clone(gpu),
-        );
+        let (memory, device, gpu) = (Arc::clone(&self.memory), Arc::clone(&self.device), Arc::clone(gpu));
         tokio::task::spawn_blocking(move || {
             let slots: Vec<u32> = (0..ids.len() as u32).collect();
-            let src = Blocks {
-                base: gpu.staging.ptr(),
-                num_blocks: MAX_CHUNK_BLOCKS,
-                ids: &slots,
+            let pool = Blocks { base: memory.layer_base(layer) as u64, num_blocks: memory.num_blocks(), ids: &ids };
+            let staging = Blocks { base: gpu.staging.ptr(), num_blocks: MAX_CHUNK_BLOCKS, ids: &slots };
+            let copied = match &way {
+                Staging::Gather { corrupt, .. } => device.copy(pool, staging, bb, *corrupt),
+                Staging::Scatter => device.copy(staging, pool, bb, false),
             };
-            let dst = Blocks {
-                base: memory.layer_base(layer) as u64,
-                num_blocks: memory.num_blocks(),
-                ids: &ids,
-            };
-            device
-                .copy(src, dst, bb, false)
-                .map(|_| ())
-                .map_err(|e| e.to_string())
+            drop(way); // a gather's source blocks are not read any more
+            copied.map(|_| ()).map_err(|e| e.to_string())
         })
         .await
         .unwrap_or_else(|e| Err(e.to_string()))
     }
+}
+
+/// Which way a staging copy goes.
+enum Staging {
+    /// Pool → staging (sender), holding the payload's claim; `corrupt` is the test hook.
+    Gather { corrupt: bool, _payload: Payload },
+    /// Staging → pool (receiver).
+    Scatter,
 }
 
 impl Transport for NcclTransport {
