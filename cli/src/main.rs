@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_disagg;
+mod bench_serve;
 mod bench_engine;
 mod cluster;
 mod generate;
@@ -88,6 +89,9 @@ enum BenchCommand {
     /// Time to first token and throughput under load through an embedded cluster (router +
     /// prefill node + decode node), each next to the engine alone on the same random weights.
     Disagg(bench_disagg::DisaggBenchArgs),
+    /// TTFT, inter-token latency and goodput of a running router under load (Poisson arrivals or
+    /// fixed concurrency, over gRPC or the OpenAI API); JSON report and PNG plots.
+    Serve(Box<bench_serve::ServeBenchArgs>),
 }
 
 /// Where pulled models live.
@@ -142,6 +146,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Kv(args)) => kv::run_bench(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Disagg(args)) => bench_disagg::run(args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(*args),
         Command::Kv(KvCommand::Conformance(args)) => kv::run_conformance(args),
         Command::Router(args) => cluster::run_router(args),
         Command::Prefill(args) => cluster::run_prefill(args),
