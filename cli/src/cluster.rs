@@ -6,6 +6,10 @@
 //! the requests in flight, then exits. A router (or `tandem up`) that also serves the OpenAI-compatible
 //! HTTP API prints `tandem router: OpenAI API on http://ADDR/v1` (`tandem up: ...`) on the next line;
 //! a node given `--metrics-listen` prints `tandem <role>: metrics on http://ADDR/metrics` there.
+//!
+//! Every server also answers the standard gRPC health protocol on its gRPC listener, NOT_SERVING
+//! from the stop signal on (see [`health`]); the drain is bounded by `--drain-timeout`. With `--check`
+//! a server only validates its command line and exits (see [`check`]).
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -28,6 +32,12 @@ use tonic::transport::server::TcpIncoming;
 
 use crate::generate::EngineArgs;
 
+mod check;
+mod health;
+
+use health::Health;
+use tonic_health::ServingStatus;
+
 /// Where membership lives.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct EtcdArgs {
@@ -41,6 +51,24 @@ pub(crate) struct EtcdArgs {
     #[arg(long, default_value_t = 5)]
     ttl: u64,
 }
+
+/// How long a server may drain.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct DrainArgs {
+    /// On SIGTERM, the longest to wait (seconds) for requests in flight before exiting with them
+    /// unfinished.
+    #[arg(long, default_value_t = 30, value_name = "SECS")]
+    drain_timeout: u64,
+}
+
+impl DrainArgs {
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(self.drain_timeout)
+    }
+}
+
+/// The drain of servers inside `tandem up` (and the benchmarks' embedded clusters).
+const EMBEDDED_DRAIN: Duration = Duration::from_secs(30);
 
 impl EtcdArgs {
     async fn connect(&self) -> anyhow::Result<Membership> {
@@ -67,6 +95,11 @@ pub(crate) struct RouterArgs {
     /// /health) on this address (port 0 picks one).
     #[arg(long)]
     http_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    drain: DrainArgs,
+    /// Only check the command line, then exit (nothing is reached, bound or loaded).
+    #[arg(long)]
+    check: bool,
 }
 
 /// `--http-listen` of `tandem up`: an address, or `off`.
@@ -104,6 +137,22 @@ pub(crate) struct NodeArgs {
     metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    drain: DrainArgs,
+    /// Only check the command line, then exit (no model is pulled or loaded, nothing reached or bound).
+    #[arg(long)]
+    check: bool,
+}
+
+impl NodeArgs {
+    fn check(&self, role: &str) -> anyhow::Result<()> {
+        check::etcd(&self.etcd)?;
+        check::engine(&self.engine, &self.kv_connector)?;
+        if let Some(a) = &self.advertise {
+            anyhow::ensure!(!a.trim().is_empty(), "--advertise is empty");
+        }
+        check::ok(&format!("tandem {role}"))
+    }
 }
 
 /// `tandem prefill`.
@@ -154,6 +203,9 @@ pub(crate) struct UpArgs {
     /// otherwise), tcp or cuda-ipc.
     #[arg(long, default_value = "auto")]
     kv_connector: String,
+    /// Only check the command line, then exit (no model is pulled or loaded, nothing bound).
+    #[arg(long)]
+    check: bool,
 }
 
 /// `tandem client`.
@@ -299,13 +351,28 @@ impl NodeService {
             NodeService::Decode(_) => NodeRole::Decode,
         }
     }
-    fn router(&self) -> tonic::transport::server::Router {
-        let mut builder = tonic::transport::Server::builder();
+    /// The node's service name in the gRPC health protocol.
+    fn health_name(&self) -> &'static str {
+        use tonic::server::NamedService;
         match self {
-            NodeService::Prefill(n) => builder.add_service(n.service()),
-            NodeService::Decode(n) => builder.add_service(n.service()),
+            NodeService::Prefill(_) => <tandem_proto::node::v1::prefill_server::PrefillServer<PrefillNode> as NamedService>::NAME,
+            NodeService::Decode(_) => <tandem_proto::node::v1::decode_server::DecodeServer<DecodeNode> as NamedService>::NAME,
         }
     }
+    fn router(&self, health: &Health) -> tonic::transport::server::Router {
+        let mut builder = tonic::transport::Server::builder();
+        let router = match self {
+            NodeService::Prefill(n) => builder.add_service(n.service()),
+            NodeService::Decode(n) => builder.add_service(n.service()),
+        };
+        router.add_service(health.server())
+    }
+}
+
+/// When a server stops, and how long its drain may take from then.
+struct Stop<F> {
+    signal: F,
+    drain_timeout: Duration,
 }
 
 /// Whether a node prints its serving line (a process of its own) or logs it (inside `tandem up`), and
@@ -332,7 +399,8 @@ fn serve_node_metrics(core: Arc<NodeCore>, listener: TcpListener) {
     });
 }
 
-/// Serves a node until `stop` resolves: registers, publishes load, drains on stop.
+/// Serves a node until `stop` resolves: registers, publishes load, drains on stop (health
+/// NOT_SERVING, out of membership, serving on until the engine is idle; all within the drain timeout).
 async fn serve_node(
     service: NodeService,
     listener: TcpListener,
@@ -340,23 +408,33 @@ async fn serve_node(
     id: String,
     advertise: Option<String>,
     announce: Announce,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: Stop<impl std::future::Future<Output = ()> + Send + 'static>,
 ) -> anyhow::Result<()> {
     let local = listener.local_addr()?;
     let grpc_addr = advertised(local, &advertise);
     let role = service.role();
     let core = Arc::clone(service.core());
+    let health = Health::new(service.health_name(), ServingStatus::NotServing).await;
     let registration = membership.register(node_info(id, role, &core, grpc_addr.clone())).await.context("registering in membership")?;
     let registration: SharedRegistration = Arc::new(std::sync::Mutex::new(Some(registration)));
     publish_load(Arc::clone(&core), Arc::clone(&registration));
+    health.set(ServingStatus::Serving).await;
+    health::watch_engine(Arc::clone(&core), health.clone());
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
+    let (deadline_tx, deadline_rx) = tokio::sync::oneshot::channel();
+    let server = service.router(&health);
+    let idle_core = Arc::clone(&core);
     let shutdown = async move {
-        stop.await;
-        // Leave routing first, then let the server finish what is in flight.
+        stop.signal.await;
+        let deadline = tokio::time::Instant::now() + stop.drain_timeout;
+        let _ = deadline_tx.send(deadline);
+        // Probes see NOT_SERVING first, then the node leaves routing, then it finishes what is in flight.
+        health.drain().await;
         let reg = registration.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(reg) = reg {
             let _ = reg.deregister().await;
         }
+        health::wait_idle(&idle_core, deadline).await;
         let _ = drained_tx.send(());
     };
     let role_name = if role == NodeRole::Prefill { "prefill" } else { "decode" };
@@ -371,11 +449,9 @@ async fn serve_node(
     } else {
         tracing::info!(role = role_name, addr = %grpc_addr, "embedded node serving");
     }
-    service
-        .router()
-        .serve_with_incoming_shutdown(incoming(listener), shutdown)
-        .await
-        .context("serving the node API")?;
+    let serving = server.serve_with_incoming_shutdown(incoming(listener), shutdown);
+    let Some(served) = health::within_drain(serving, deadline_rx).await else { return Ok(()) };
+    served.context("serving the node API")?;
     let _ = drained_rx.await;
     Ok(())
 }
@@ -398,6 +474,9 @@ fn default_id(role: &str, listener: &TcpListener) -> String {
 }
 
 pub(crate) fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
+    if args.node.check {
+        return args.node.check("prefill");
+    }
     let setup = node_setup(&args.node)?;
     runtime()?.block_on(async {
         let membership = args.node.etcd.connect().await?;
@@ -407,11 +486,15 @@ pub(crate) fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
         let node = PrefillNode::start(setup, &Fabric::new(), peers).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("prefill", &listener));
         let announce = Announce::Stdout { metrics };
-        serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), announce, stop_signal()).await
+        let stop = Stop { signal: stop_signal(), drain_timeout: args.node.drain.timeout() };
+        serve_node(NodeService::Prefill(node), listener, &membership, id, args.node.advertise.clone(), announce, stop).await
     })
 }
 
 pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
+    if args.node.check {
+        return args.node.check("decode");
+    }
     let setup = node_setup(&args.node)?;
     let opts = DecodeOptions { local_prefill_below: args.local_prefill_below, ..DecodeOptions::default() };
     runtime()?.block_on(async {
@@ -422,13 +505,24 @@ pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         let node = DecodeNode::start(setup, opts, &Fabric::new(), peers).await?;
         let id = args.node.node_id.clone().unwrap_or_else(|| default_id("decode", &listener));
         let announce = Announce::Stdout { metrics };
-        serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), announce, stop_signal()).await
+        let stop = Stop { signal: stop_signal(), drain_timeout: args.node.drain.timeout() };
+        serve_node(NodeService::Decode(node), listener, &membership, id, args.node.advertise.clone(), announce, stop).await
     })
 }
 
-async fn serve_router(router: Router, listener: TcpListener, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+/// The router's health: `tandem.v1.Tandem` follows whether it could route a request (see [`health`]).
+async fn router_health(router: &Router, nodes: tokio::sync::watch::Receiver<Vec<NodeInfo>>) -> Health {
+    use tonic::server::NamedService;
+    let name = <tandem_proto::v1::tandem_server::TandemServer<Router> as NamedService>::NAME;
+    let health = Health::new(name, ServingStatus::NotServing).await;
+    health::watch_router(router.clone(), nodes, health.clone());
+    health
+}
+
+async fn serve_router(router: Router, listener: TcpListener, health: &Health, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     tonic::transport::Server::builder()
         .add_service(router.service())
+        .add_service(health.server())
         .serve_with_incoming_shutdown(incoming(listener), stop)
         .await
         .context("serving the client API")
@@ -448,32 +542,54 @@ async fn bind_optional(addr: Option<SocketAddr>) -> anyhow::Result<Option<TcpLis
 }
 
 pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
+    if args.check {
+        check::etcd(&args.etcd)?;
+        return check::ok("tandem router");
+    }
     runtime()?.block_on(async {
         let membership = args.etcd.connect().await?;
         let nodes = membership.watch().await.context("watching membership")?;
         let listener = bind(args.listen).await?;
         let http = bind_optional(args.http_listen).await?;
+        let router = Router::new(nodes.clone(), args.policy);
+        let health = router_health(&router, nodes).await;
         println!("tandem router serving on {}", listener.local_addr()?);
         if let Some(h) = &http {
             println!("tandem router: OpenAI API on http://{}/v1", h.local_addr()?);
         }
         let _ = std::io::stdout().flush();
-        let router = Router::new(nodes, args.policy);
-        let Some(http) = http else { return serve_router(router, listener, stop_signal()).await };
+        // On the signal: health NOT_SERVING, then both front ends finish what they have in flight.
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let (deadline_tx, deadline_rx) = tokio::sync::oneshot::channel();
+        let drain = args.drain.timeout();
+        let draining = health.clone();
         tokio::spawn(async move {
             stop_signal().await;
+            let _ = deadline_tx.send(tokio::time::Instant::now() + drain);
+            draining.drain().await;
             let _ = stop_tx.send(true);
         });
-        let (grpc, http) = tokio::join!(
-            serve_router(router.clone(), listener, stopped(stop_rx.clone())),
-            serve_http(router, http, stopped(stop_rx))
-        );
-        grpc.and(http)
+        let serving = async {
+            match http {
+                None => serve_router(router, listener, &health, stopped(stop_rx)).await,
+                Some(http) => {
+                    let (grpc, http) = tokio::join!(
+                        serve_router(router.clone(), listener, &health, stopped(stop_rx.clone())),
+                        serve_http(router, http, stopped(stop_rx))
+                    );
+                    grpc.and(http)
+                }
+            }
+        };
+        health::within_drain(serving, deadline_rx).await.unwrap_or(Ok(()))
     })
 }
 
 pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    if args.check {
+        check::engine(&args.engine, &args.kv_connector)?;
+        return check::ok("tandem up");
+    }
     let (dir, engine) = args.engine.prepare(true)?;
     let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
     let model_name = args.engine.model_name(&dir);
@@ -570,7 +686,7 @@ impl EmbeddedCluster {
             let listener = bind("127.0.0.1:0".parse()?).await?;
             let id = default_id(role, &listener);
             let membership = membership.clone();
-            let stop = stopped(stop_rx.clone());
+            let stop = Stop { signal: stopped(stop_rx.clone()), drain_timeout: EMBEDDED_DRAIN };
             nodes.push(tokio::spawn(async move { serve_node(service, listener, &membership, id, None, Announce::Log, stop).await }));
         }
         let watched = membership.watch().await?;
@@ -582,8 +698,19 @@ impl EmbeddedCluster {
             .context("membership closed")?;
         let listener = bind(opts.listen).await?;
         let addr = listener.local_addr()?;
-        let router = Router::new(watched, opts.policy);
-        let serving = tokio::spawn(serve_router(router.clone(), listener, stopped(stop_rx)));
+        let router = Router::new(watched.clone(), opts.policy);
+        let health = router_health(&router, watched).await;
+        let stop = {
+            let health = health.clone();
+            async move {
+                stopped(stop_rx).await;
+                health.drain().await;
+            }
+        };
+        let serving = {
+            let router = router.clone();
+            tokio::spawn(async move { serve_router(router, listener, &health, stop).await })
+        };
         Ok(EmbeddedCluster { addr, prefill: prefill_report, decode: decode_report, router, stop_tx, serving, nodes })
     }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::Engine;
 use tandem_engine::engine::{EngineConfig, Prompt};
 use tandem_engine::sampling::SamplingParams;
-use tandem_membership::{Membership, NodeInfo};
+use tandem_membership::{Membership, NodeInfo, NodeRole};
 use tandem_proto::node::v1 as node;
 use tandem_proto::node::v1::decode_client::DecodeClient;
 use tandem_proto::node::v1::prefill_client::PrefillClient;
@@ -22,6 +22,9 @@ use tandem_tests::{run_tandem, smollm2_dir};
 use tokio_stream::StreamExt;
 use tonic::Code;
 use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 const PREFIX: &str = "/tandem-test";
 /// How long a node's log line may take to reach the test after the response did.
@@ -640,4 +643,93 @@ fn logs_are_plain_rounded_or_json() {
         }
     }
     assert_eq!(seen, 1, "one JSON decode line expected:\n{err}");
+}
+
+/// A server's status for `service` in the standard gRPC health protocol (`grpc.health.v1`).
+async fn health_status(addr: &str, service: &str) -> Result<ServingStatus, tonic::Status> {
+    let channel = Channel::from_shared(format!("http://{addr}")).expect("address").connect().await;
+    let mut client = HealthClient::new(channel.map_err(|e| tonic::Status::unavailable(e.to_string()))?);
+    let status = client.check(HealthCheckRequest { service: service.into() }).await?.into_inner().status;
+    Ok(ServingStatus::try_from(status).unwrap_or(ServingStatus::Unknown))
+}
+
+/// Waits up to `limit` until `addr` reports `want` for `service`; panics with the last answer otherwise.
+async fn wait_health_status(addr: &str, service: &str, want: ServingStatus, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = health_status(addr, service).await;
+        if now.as_ref().is_ok_and(|s| *s == want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{addr} {service:?}: {now:?}, not {want:?} within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Kubernetes' gRPC probes ask each server's own gRPC port: the router, the prefill and the decode node
+/// answer grpc.health.v1 SERVING when up (per service, unknown services NOT_FOUND); a decode node
+/// sent SIGTERM answers NOT_SERVING while it finishes its request in flight, and the router's
+/// `tandem.v1.Tandem` turns NOT_SERVING once no decode node is left (the router itself stays SERVING).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn grpc_health_serving_when_up_and_not_serving_while_a_node_drains() {
+    let mut cluster = start(1, 1, &[]);
+    cluster.wait_health(1, 1).await;
+    let nodes = cluster.membership().await;
+    let prefill_addr = nodes.borrow().iter().find(|n| n.role == NodeRole::Prefill).expect("prefill node").grpc_addr.clone();
+    let decode_addr = cluster.decode_addrs[0].clone();
+    let serving = ServingStatus::Serving;
+    wait_health_status(&cluster.addr, "tandem.v1.Tandem", serving, Duration::from_secs(5)).await;
+    for (addr, service) in [
+        (&cluster.addr, ""),
+        (&prefill_addr, ""),
+        (&prefill_addr, "tandem.node.v1.Prefill"),
+        (&decode_addr, ""),
+        (&decode_addr, "tandem.node.v1.Decode"),
+    ] {
+        assert_eq!(health_status(addr, service).await.expect("health"), serving, "{addr} {service:?}");
+    }
+    let unknown = health_status(&decode_addr, "tandem.node.v1.Prefill").await.expect_err("not a prefill node");
+    assert_eq!(unknown.code(), Code::NotFound);
+
+    let mut client = cluster.client().await;
+    let mut req = text_request("Describe the sea in detail.", 200);
+    req.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut stream = client.generate(req).await.expect("start").into_inner();
+    let first = stream.next().await.expect("a token").expect("ok");
+    let decode_pid = cluster.decode[0].pid().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &decode_pid]).status().expect("kill").success());
+    wait_health_status(&decode_addr, "tandem.node.v1.Decode", ServingStatus::NotServing, Duration::from_secs(5)).await;
+    assert_eq!(health_status(&decode_addr, "").await.expect("health while draining"), ServingStatus::NotServing);
+    // NOT_SERVING was answered while the request was still running there.
+    let mut node = DecodeClient::connect(format!("http://{decode_addr}")).await.expect("the draining node answers");
+    let load = node.info(node::InfoRequest {}).await.expect("info while draining").into_inner().load.expect("load");
+    assert_eq!(load.running, 1, "the request in flight is still running during the drain: {load:?}");
+    wait_health_status(&cluster.addr, "tandem.v1.Tandem", ServingStatus::NotServing, Duration::from_secs(10)).await;
+    assert_eq!(health_status(&cluster.addr, "").await.expect("router health"), serving);
+    let mut ids = first.token_ids;
+    while let Some(msg) = stream.next().await {
+        ids.extend(msg.expect("the in-flight request finishes during the drain").token_ids);
+    }
+    assert_eq!(ids.len(), 200);
+    let decode = &mut cluster.decode[0];
+    assert!(tokio::task::block_in_place(|| decode.terminate(Duration::from_secs(30))), "the decode node did not exit cleanly");
+    assert!(health_status(&decode_addr, "").await.is_err(), "a stopped node still answers");
+}
+
+/// `tandem up` answers grpc.health.v1 on its router port, and `--check` validates without serving.
+#[test]
+fn tandem_up_answers_grpc_health() {
+    let model = smollm2_dir();
+    let model = model.to_str().unwrap();
+    let mut up = Proc::start("up", &["up", "--model", model, "--listen", "127.0.0.1:0", "--http-listen", "off", "--kv-cache-mib", "256"]);
+    let addr = up.wait_serving(START);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        wait_health_status(&addr, "", ServingStatus::Serving, Duration::from_secs(5)).await;
+        wait_health_status(&addr, "tandem.v1.Tandem", ServingStatus::Serving, Duration::from_secs(5)).await;
+    });
+    assert!(up.terminate(Duration::from_secs(30)), "tandem up did not exit cleanly");
+    let out = run_tandem(&["up", "--model", model, "--listen", "127.0.0.1:0", "--check"], Duration::from_secs(30));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "tandem up: command line ok");
 }
