@@ -11,6 +11,7 @@ mod cluster;
 mod generate;
 mod kv;
 mod pull;
+mod telemetry;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -110,26 +111,26 @@ impl CacheArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logs();
+    let service = match &cli.command {
+        Command::Router(_) => "tandem-router",
+        Command::Prefill(_) => "tandem-prefill",
+        Command::Decode(_) => "tandem-decode",
+        _ => "tandem",
+    };
+    // Dropped after the command: flushes the traces not yet exported.
+    let _telemetry = match telemetry::init(service) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Logs go to stderr, filtered by `TANDEM_LOG` (default `warn`): plain text, with colours only when
-/// stderr is a terminal, or one JSON object per line with `TANDEM_LOG_FORMAT=json`.
-fn init_logs() {
-    use std::io::IsTerminal;
-    let filter = || tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| "warn".into());
-    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr);
-    if std::env::var("TANDEM_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json")) {
-        builder.json().with_env_filter(filter()).init();
-    } else {
-        builder.with_ansi(std::io::stderr().is_terminal()).with_env_filter(filter()).init();
     }
 }
 

@@ -109,8 +109,11 @@ impl DecodeNode {
             tandem_node::metrics::node().local_prefills.inc(&["unlisted_prefill_node"]);
             remote = false;
         }
+        let span = tracing::Span::current();
+        span.record("cached_tokens", cached);
         let events = if remote {
-            match self.remote_prefill(req, params.clone(), state).await {
+            let remote_span = tracing::info_span!("remote_prefill", prefill_addr = %req.prefill_addr);
+            match self.remote_prefill(req, params.clone(), state).instrument(remote_span).await {
                 Ok((events, note)) => {
                     timings.push_str(&note);
                     Some(events)
@@ -126,9 +129,17 @@ impl DecodeNode {
         } else {
             None
         };
+        // Spans of a local prefill: `queue` until the first chunk is scheduled, `prefill` until the
+        // first token; then (either way) `generate` until the last token.
+        let mut phase = tandem_node::trace::Phase::default();
         let mut events = match events {
-            Some(e) => e,
+            Some(e) => {
+                span.record("prefill", "remote");
+                e
+            }
             None => {
+                span.record("prefill", "local");
+                phase.start(tracing::info_span!("queue"));
                 let (id, events) = self.core.engine.add(prompt.clone(), params, None).await?;
                 state.engine_id = Some(id);
                 timings.push_str(" prefill=local");
@@ -137,11 +148,18 @@ impl DecodeNode {
         };
         let mut completion_tokens = 0u32;
         let mut first_token_at = None;
+        let mut generate = tracing::Span::none();
         while let Some(event) = events.recv().await {
             match event {
+                Event::Scheduled => phase.start(tracing::info_span!("prefill")),
                 Event::Output(out) => {
                     completion_tokens += out.token_ids.len() as u32;
-                    first_token_at.get_or_insert_with(Instant::now);
+                    if first_token_at.is_none() {
+                        phase.end();
+                        tracing::info!(ttft_ms = tandem_node::ms(t0.elapsed()), "first token");
+                        generate = tracing::info_span!("generate", completion_tokens = tracing::field::Empty);
+                        first_token_at = Some(Instant::now());
+                    }
                     let mut msg = convert::output_to_proto(&req.request_id, &out);
                     let done = out.finish.is_some();
                     if done {
@@ -152,6 +170,8 @@ impl DecodeNode {
                     }
                     if done {
                         state.engine_id = None; // finished: the engine already freed it
+                        span.record("completion_tokens", completion_tokens);
+                        generate.record("completion_tokens", completion_tokens);
                         tracing::info!(
                             request_id = %req.request_id,
                             prompt_tokens = prompt.len(),
@@ -185,6 +205,7 @@ impl DecodeNode {
         let t0 = Instant::now();
         let (id, alloc, events) = self.core.engine.add_remote(req.prompt.clone(), params.clone()).await?;
         state.engine_id = Some(id);
+        tandem_node::metrics::node().prefix_lookup(req.prompt.len(), alloc.num_cached_tokens);
         let skip = alloc.num_cached_tokens / self.core.block_size;
         let dst: Vec<u32> = alloc.block_table[skip..].iter().map(|b| b.0).collect();
         let binding = tandem_node::kv::kv_binding(&req.prompt, skip, self.core.block_size);
@@ -201,6 +222,13 @@ impl DecodeNode {
         };
         let mut call = Request::new(call);
         call.set_timeout(self.opts.remote_prefill_timeout);
+        tandem_node::trace::inject(&tracing::Span::current(), call.metadata_mut());
+        let kv_span = tracing::info_span!(
+            "kv_transfer",
+            direction = tandem_node::metrics::RECV,
+            backend = self.core.connector.backend(),
+            bytes = tracing::field::Empty
+        );
         let recv = state.recv.as_mut().expect("set above");
         // Both must succeed; whichever fails first ends the wait (a dead prefill node must not leave
         // us waiting for the transfer's deadline).
@@ -216,9 +244,20 @@ impl DecodeNode {
                     check_answer(&a, &params, self.core.vocab_size)?;
                     answer = Some(a);
                 }
-                l = recv.wait(), if landed.is_none() => landed = Some(l?),
+                l = recv.wait(), if landed.is_none() => {
+                    let metrics = tandem_node::metrics::node();
+                    match &l {
+                        Ok(stats) => {
+                            kv_span.record("bytes", stats.bytes);
+                            metrics.transfer_done(self.core.connector.backend(), tandem_node::metrics::RECV, stats);
+                        }
+                        Err(e) => metrics.transfer_failed(self.core.connector.backend(), tandem_node::metrics::RECV, e),
+                    }
+                    landed = Some(l?);
+                }
             }
         }
+        drop(kv_span);
         let (answer, stats) = (answer.expect("loop ends with both"), landed.expect("loop ends with both"));
         state.recv = None;
         let logprob = answer.logprob.as_ref().map(convert::logprob_from_proto);
@@ -289,7 +328,7 @@ impl Decode for DecodeNode {
     type GenerateStream = ReceiverStream<Result<api::GenerateResponse, Status>>;
 
     async fn generate(&self, request: Request<node::DecodeRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        let req = request.into_inner();
+        let (metadata, _, req) = request.into_parts();
         self.core.check_tokens(&req.prompt)?;
         let params = convert::sampling_from_proto(req.sampling.as_ref())?;
         if params.n != 1 {
@@ -297,7 +336,15 @@ impl Decode for DecodeNode {
         }
         self.core.engine.validate(req.prompt.clone(), params.clone()).await.map_err(NodeError::from)?;
         let (tx, rx) = mpsc::channel(64);
-        let span = tracing::info_span!("decode", request_id = %req.request_id);
+        let span = tracing::info_span!(
+            "decode",
+            request_id = %req.request_id,
+            prompt_tokens = req.prompt.len(),
+            cached_tokens = tracing::field::Empty,
+            prefill = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+        );
+        tandem_node::trace::adopt_grpc(&span, &metadata);
         tokio::spawn(self.clone().serve(req, params, tx).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -243,6 +243,20 @@ pub struct Engine {
     times: StepTimes,
     /// The overlapped step whose tokens the next call reads.
     in_flight: Option<InFlight>,
+    /// Requests whose first chunk the last step scheduled.
+    first_scheduled: Vec<FirstScheduled>,
+}
+
+/// A request that left the waiting queue: its first chunk was scheduled in a step (queue time
+/// ends here), after `cached_tokens` of its prompt were found in the prefix cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FirstScheduled {
+    /// The request.
+    pub request: RequestId,
+    /// Its prompt's length.
+    pub prompt_tokens: usize,
+    /// Leading prompt tokens the prefix cache served.
+    pub cached_tokens: usize,
 }
 
 impl Engine {
@@ -331,6 +345,7 @@ impl Engine {
             rng: SmallRng::seed_from_u64(seed),
             times: StepTimes::default(),
             in_flight: None,
+            first_scheduled: Vec::new(),
         })
     }
 
@@ -602,6 +617,12 @@ impl Engine {
         self.in_flight.is_some() || self.sched.has_schedulable()
     }
 
+    /// The requests whose first chunk the last step scheduled, in order (requests allocated by
+    /// [`Self::add_remote_request`] never appear: they are not queued here).
+    pub fn first_scheduled(&self) -> &[FirstScheduled] {
+        &self.first_scheduled
+    }
+
     /// Token counts of a live request.
     pub fn usage(&self, id: RequestId) -> Option<Usage> {
         self.requests.get(&id).map(|r| r.usage)
@@ -623,6 +644,7 @@ impl Engine {
 
     fn run_step(&mut self, obs: Option<&mut dyn StepObserver>) -> Result<Vec<SeqOutput>> {
         let started = std::time::Instant::now();
+        self.first_scheduled.clear();
         let schedule = self.sched.schedule();
         for &BlockCopy { src, dst } in &schedule.copies {
             self.backend.copy_block(src.0, dst.0)?;
@@ -636,6 +658,11 @@ impl Engine {
             if let Some(req) = self.requests.get_mut(&chunk.seq.request).filter(|r| !r.scheduled) {
                 req.scheduled = true;
                 req.usage.cached_tokens = chunk.start_pos;
+                self.first_scheduled.push(FirstScheduled {
+                    request: chunk.seq.request,
+                    prompt_tokens: req.prompt.len(),
+                    cached_tokens: chunk.start_pos,
+                });
             }
         }
         // Chunks whose token the step in flight is still sampling take it on the device.

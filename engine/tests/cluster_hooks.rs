@@ -558,3 +558,28 @@ fn requests_waiting_on_the_outside_give_no_work() {
     assert!(!decode.has_unfinished());
     assert_pool_free(&decode);
 }
+
+#[test]
+fn first_scheduled_reports_each_queued_request_once_with_its_cache_hit() {
+    let mut e = engine("llama", Role::Decode, 8, 64, true);
+    let p = prompt(21, 21);
+    e.generate(&Prompt::Tokens(p.clone()), fixed(2)).unwrap();
+    // Sharing the first 16 tokens (four whole blocks) with the finished prompt.
+    let mut sharing = p[..16].to_vec();
+    sharing.extend(prompt(9, 22));
+    let a = e.add_request(&Prompt::Tokens(sharing.clone()), fixed(3)).unwrap();
+    let b = e.add_request(&Prompt::Tokens(prompt(6, 23)), fixed(3)).unwrap();
+    let (remote, _) = e.add_remote_request(prompt(12, 24), fixed(3)).unwrap();
+    let mut seen: Vec<(RequestId, usize, usize)> = Vec::new();
+    let mut steps = 0;
+    while e.has_work() {
+        e.step().unwrap();
+        steps += 1;
+        seen.extend(e.first_scheduled().iter().map(|f| (f.request, f.prompt_tokens, f.cached_tokens)));
+        assert!(steps < 100, "the engine never finished");
+    }
+    // With an 8-token budget `a` (9 uncached tokens) is chunked, so `b` waits for a later step.
+    assert_eq!(seen, vec![(a, 25, 16), (b, 6, 0)], "each queued request once, in order; the remote one never");
+    assert!(e.first_scheduled().is_empty() || steps > 0);
+    assert!(e.abort(remote));
+}

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{EngineLoad, FinishReason, PrefillReady, SeqOutput, StepObserver, TokenLogprob};
 use tandem_engine::sampling::SamplingParams;
@@ -25,6 +25,9 @@ use tokio::sync::{mpsc, oneshot};
 /// What a request's handler receives.
 #[derive(Debug)]
 pub enum Event {
+    /// The request left the engine's queue: its first chunk was scheduled (requests allocated with
+    /// [`EngineThread::add_remote`] are never queued and never get this).
+    Scheduled,
     /// Tokens (the last one carries `finish`).
     Output(SeqOutput),
     /// Prefill role: the first token is sampled and the prompt's blocks are held; `transfer` is the KV
@@ -169,6 +172,8 @@ impl EngineThread {
 struct Live {
     events: mpsc::UnboundedSender<Event>,
     plan: Option<TransferPlan>,
+    /// When the request was queued (its queue time ends when its first chunk is scheduled).
+    queued_at: Instant,
 }
 
 struct Worker {
@@ -256,14 +261,14 @@ impl Worker {
             Cmd::Add { prompt, params, plan, events, reply } => {
                 let r = self.engine.add_request(&tandem_engine::engine::Prompt::Tokens(prompt), params);
                 if let Ok(id) = &r {
-                    self.live.insert(*id, Live { events, plan });
+                    self.live.insert(*id, Live { events, plan, queued_at: Instant::now() });
                 }
                 let _ = reply.send(r);
             }
             Cmd::AddRemote { prompt, params, events, reply } => {
                 let r = self.engine.add_remote_request(prompt, params);
                 if let Ok((id, _)) = &r {
-                    self.live.insert(*id, Live { events, plan: None });
+                    self.live.insert(*id, Live { events, plan: None, queued_at: Instant::now() });
                 }
                 let _ = reply.send(r);
             }
@@ -295,8 +300,21 @@ impl Worker {
 
     fn step(&mut self) {
         let mut obs = Observer { connector: self.connector.as_ref(), live: &mut self.live, started: Vec::new(), failed: Vec::new() };
+        let scheduled_at = Instant::now();
         let result = self.engine.step_observed(&mut obs);
         let Observer { mut started, failed, .. } = obs;
+        let metrics = crate::metrics::node();
+        let mut left_queue = Vec::new();
+        for f in self.engine.first_scheduled() {
+            if let Some(l) = self.live.get(&f.request) {
+                metrics.queue_time.observe_duration(scheduled_at.saturating_duration_since(l.queued_at));
+                left_queue.push(f.request);
+            }
+            metrics.prefix_lookup(f.prompt_tokens, f.cached_tokens);
+        }
+        for id in left_queue {
+            self.send(id, Event::Scheduled, false);
+        }
         for (id, why) in failed {
             self.fail(id, why);
         }

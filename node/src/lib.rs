@@ -8,6 +8,7 @@ pub mod kv;
 pub mod metrics;
 mod peers;
 mod setup;
+pub mod trace;
 
 pub use engine_thread::{EngineThread, Event, TransferPlan};
 pub use error::NodeError;

@@ -317,23 +317,32 @@ impl Exposition {
 /// What a node records as it serves (its load is read from the engine at scrape time).
 #[derive(Debug)]
 pub struct NodeMetrics {
-    /// Finished KV transfers by backend.
+    /// Finished KV transfers by backend and direction (`send` on prefill nodes, `recv` on decode nodes).
     pub transfers: CounterVec,
-    /// Payload bytes of finished KV transfers by backend.
+    /// Payload bytes of finished KV transfers by backend and direction.
     pub transfer_bytes: CounterVec,
-    /// Seconds of finished KV transfers by backend.
+    /// Seconds of finished KV transfers by backend and direction.
     pub transfer_seconds: HistogramVec,
-    /// Failed KV transfers by backend and kind.
+    /// Failed KV transfers by backend, direction and kind.
     pub transfer_failures: CounterVec,
+    /// Seconds a request waited in the engine's queue before its first chunk was scheduled.
+    pub queue_time: Histogram,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_cache_queries: Counter,
+    /// Prompt tokens the prefix cache served.
+    pub prefix_cache_hits: Counter,
     /// Decode node: requests prefilled here, by reason (short, no_prefill_node, unlisted, remote_failed).
     pub local_prefills: CounterVec,
 }
 
 static NODE: LazyLock<NodeMetrics> = LazyLock::new(|| NodeMetrics {
-    transfers: CounterVec::new(&["backend"]),
-    transfer_bytes: CounterVec::new(&["backend"]),
-    transfer_seconds: HistogramVec::new(&["backend"], LATENCY_BUCKETS),
-    transfer_failures: CounterVec::new(&["backend", "kind"]),
+    transfers: CounterVec::new(&["backend", "direction"]),
+    transfer_bytes: CounterVec::new(&["backend", "direction"]),
+    transfer_seconds: HistogramVec::new(&["backend", "direction"], LATENCY_BUCKETS),
+    transfer_failures: CounterVec::new(&["backend", "direction", "kind"]),
+    queue_time: Histogram::new(LATENCY_BUCKETS),
+    prefix_cache_queries: Counter::default(),
+    prefix_cache_hits: Counter::default(),
     local_prefills: CounterVec::new(&["reason"]),
 });
 
@@ -343,19 +352,30 @@ pub fn node() -> &'static NodeMetrics {
 }
 
 impl NodeMetrics {
-    /// Records a finished transfer.
-    pub fn transfer_done(&self, backend: &str, stats: &tandem_kv_transfer::TransferStats) {
-        self.transfers.inc(&[backend]);
-        self.transfer_bytes.add(&[backend], stats.bytes);
+    /// Records a finished transfer (`direction`: [`SEND`] or [`RECV`]).
+    pub fn transfer_done(&self, backend: &str, direction: &str, stats: &tandem_kv_transfer::TransferStats) {
+        self.transfers.inc(&[backend, direction]);
+        self.transfer_bytes.add(&[backend, direction], stats.bytes);
         self.transfer_seconds
-            .observe(&[backend], stats.elapsed.as_secs_f64());
+            .observe(&[backend, direction], stats.elapsed.as_secs_f64());
     }
 
     /// Records a failed transfer.
-    pub fn transfer_failed(&self, backend: &str, e: &TransferError) {
-        self.transfer_failures.inc(&[backend, failure_kind(e)]);
+    pub fn transfer_failed(&self, backend: &str, direction: &str, e: &TransferError) {
+        self.transfer_failures.inc(&[backend, direction, failure_kind(e)]);
+    }
+
+    /// Records a prompt's prefix-cache lookup: `prompt_tokens` queried, `cached_tokens` served.
+    pub fn prefix_lookup(&self, prompt_tokens: usize, cached_tokens: usize) {
+        self.prefix_cache_queries.add(prompt_tokens as u64);
+        self.prefix_cache_hits.add(cached_tokens.min(prompt_tokens) as u64);
     }
 }
+
+/// The `direction` of a transfer this node sent (prefill node).
+pub const SEND: &str = "send";
+/// The `direction` of a transfer this node received (decode node).
+pub const RECV: &str = "recv";
 
 /// A transfer error's kind, as a label value.
 pub fn failure_kind(e: &TransferError) -> &'static str {
@@ -436,6 +456,21 @@ pub async fn render_node(core: &NodeCore) -> String {
         "tandem:local_prefill_total",
         "Requests a decode node prefilled itself, by reason.",
         &m.local_prefills,
+    );
+    e.histogram(
+        "tandem:request_queue_time_seconds",
+        "Seconds requests waited in the engine's queue before their first chunk was scheduled.",
+        &m.queue_time,
+    );
+    e.counter(
+        "tandem:prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+        m.prefix_cache_queries.get(),
+    );
+    e.counter(
+        "tandem:prefix_cache_hits_total",
+        "Prompt tokens served from the prefix cache.",
+        m.prefix_cache_hits.get(),
     );
     e.finish()
 }

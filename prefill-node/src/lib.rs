@@ -79,17 +79,35 @@ impl PrefillNode {
         }
         let endpoint = descriptor.endpoint.clone();
         let plan = TransferPlan { descriptor, skip_blocks: skip, binding, timeout: TRANSFER_TIMEOUT };
+        // Spans: `queue` until the first chunk is scheduled, then `compute` until the first token, and
+        // `kv_transfer` from then until the decode node confirmed every layer.
+        let mut phase = tandem_node::trace::Phase::default();
+        phase.start(tracing::info_span!("queue"));
         let (id, mut events) = core.engine.add(req.prompt.clone(), params, Some(plan)).await?;
         let mut guard = AbortOnDrop { core: &core, id: Some(id) };
-        let event = tokio::select! {
-            e = events.recv() => e,
-            _ = done.closed() => return Err(NodeError::Internal("cancelled by the caller".into())),
+        let mut kv_span = tracing::Span::none();
+        let event = loop {
+            let event = tokio::select! {
+                e = events.recv() => e,
+                _ = done.closed() => return Err(NodeError::Internal("cancelled by the caller".into())),
+            };
+            if !matches!(event, Some(Event::Scheduled)) {
+                break event;
+            }
+            phase.start(tracing::info_span!("compute"));
+            kv_span = tracing::info_span!(
+                "kv_transfer",
+                direction = tandem_node::metrics::SEND,
+                backend = core.connector.backend(),
+                bytes = tracing::field::Empty
+            );
         };
+        phase.end();
         let (output, transfer) = match event {
             Some(Event::PrefillDone { output, transfer: Some(t) }) => (output, t),
             Some(Event::PrefillDone { transfer: None, .. }) => return Err(NodeError::Internal("the KV transfer never started".into())),
             Some(Event::Failed(why)) => return Err(NodeError::Internal(why)),
-            Some(Event::Output(_)) => return Err(NodeError::Internal("prefill finished without holding its blocks".into())),
+            Some(Event::Output(_) | Event::Scheduled) => return Err(NodeError::Internal("prefill finished without holding its blocks".into())),
             None => return Err(NodeError::Internal("the engine dropped the request".into())),
         };
         let prefill_done = Instant::now();
@@ -106,9 +124,13 @@ impl PrefillNode {
         core.engine.release(id);
         let metrics = tandem_node::metrics::node();
         match &verdict {
-            Ok(stats) => metrics.transfer_done(core.connector.backend(), stats),
-            Err(e) => metrics.transfer_failed(core.connector.backend(), e),
+            Ok(stats) => metrics.transfer_done(core.connector.backend(), tandem_node::metrics::SEND, stats),
+            Err(e) => metrics.transfer_failed(core.connector.backend(), tandem_node::metrics::SEND, e),
         }
+        if let Ok(stats) = &verdict {
+            kv_span.record("bytes", stats.bytes);
+        }
+        drop(kv_span);
         let stats = verdict?;
         if lock(&reached).insert(endpoint.clone()) {
             tracing::info!(
@@ -162,8 +184,9 @@ impl Drop for AbortOnDrop<'_> {
 #[tonic::async_trait]
 impl Prefill for PrefillNode {
     async fn prefill(&self, request: Request<node::PrefillRequest>) -> Result<Response<node::PrefillResponse>, Status> {
-        let req = request.into_inner();
-        let span = tracing::info_span!("prefill", request_id = %req.request_id);
+        let (metadata, _, req) = request.into_parts();
+        let span = tracing::info_span!("prefill", request_id = %req.request_id, prompt_tokens = req.prompt.len());
+        tandem_node::trace::adopt_grpc(&span, &metadata);
         // The work runs in its own task so that a cancelled call still cleans up (cancel the transfer
         // before freeing blocks); the task learns of the cancellation when `rx` is dropped.
         let (mut tx, rx) = oneshot::channel::<()>();

@@ -33,9 +33,35 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status};
+use tracing::Instrument;
 
 pub use policy::Policy;
 pub(crate) use relay::Relay;
+
+/// Which front end a request came through, with what it carries of the caller's trace context.
+#[derive(Clone, Copy)]
+pub(crate) enum Caller<'a> {
+    /// The gRPC API, with the call's metadata.
+    Grpc(&'a tonic::metadata::MetadataMap),
+    /// The HTTP API, with the request's headers.
+    Http(&'a axum::http::HeaderMap),
+}
+
+impl Caller<'_> {
+    fn api(self) -> &'static str {
+        match self {
+            Caller::Grpc(_) => "grpc",
+            Caller::Http(_) => "http",
+        }
+    }
+
+    fn adopt(self, span: &tracing::Span) {
+        match self {
+            Caller::Grpc(m) => tandem_node::trace::adopt_grpc(span, m),
+            Caller::Http(h) => tandem_node::trace::adopt_http(span, h),
+        }
+    }
+}
 
 /// How long a node that failed a call is skipped.
 const QUARANTINE: Duration = Duration::from_secs(5);
@@ -273,11 +299,30 @@ impl Router {
     }
 
     /// Resolves the model, tokenizes, validates, routes and opens the decode node's stream: what every
-    /// front end calls. Dropping the returned relay aborts the request on every node.
-    pub(crate) async fn open(&self, req: api::GenerateRequest, max_tokens: MaxTokens) -> Result<Relay, NodeError> {
+    /// front end calls. Dropping the returned relay aborts the request on every node. The request's
+    /// span (`request`, lasting as long as the relay) joins the caller's trace, if it sent one.
+    pub(crate) async fn open(&self, req: api::GenerateRequest, max_tokens: MaxTokens, caller: Caller<'_>) -> Result<Relay, NodeError> {
         let started = Instant::now();
-        let (routed, decode, prefill) = self.route(req, max_tokens).await?;
+        let span = tracing::info_span!(
+            "request",
+            api = caller.api(),
+            request_id = tracing::field::Empty,
+            model = tracing::field::Empty,
+            prompt_tokens = tracing::field::Empty,
+            decode_node = tracing::field::Empty,
+            prefill_node = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+        );
+        caller.adopt(&span);
+        let route_span = tracing::info_span!(parent: &span, "route", policy = self.inner.policy.name());
+        let (routed, decode, prefill) = self.route(req, max_tokens).instrument(route_span).await?;
+        span.record("request_id", routed.request_id.as_str());
+        span.record("model", routed.model.as_str());
+        span.record("prompt_tokens", routed.prompt.len());
+        span.record("decode_node", decode.id.as_str());
+        span.record("prefill_node", prefill.as_ref().map(|p| p.id.as_str()).unwrap_or("local"));
         tracing::info!(
+            parent: &span,
             request_id = %routed.request_id,
             model = %routed.model,
             prompt_tokens = routed.prompt.len(),
@@ -292,10 +337,12 @@ impl Router {
             sampling: Some(routed.sampling),
             prefill_addr: prefill.map(|p| p.grpc_addr).unwrap_or_default(),
         };
-        match client.generate(call).await {
+        let mut call = Request::new(call);
+        tandem_node::trace::inject(&span, call.metadata_mut());
+        match client.generate(call).instrument(span.clone()).await {
             Ok(stream) => Ok(Relay::new(
                 self.clone(),
-                relay::Opened { request_id: routed.request_id, model: routed.model, tokenizer: routed.tokenizer, decode_id: decode.id, started },
+                relay::Opened { request_id: routed.request_id, model: routed.model, tokenizer: routed.tokenizer, decode_id: decode.id, started, span },
                 stream.into_inner(),
             )),
             Err(s) => {
@@ -344,7 +391,8 @@ impl Tandem for Router {
     type GenerateStream = ReceiverStream<Result<api::GenerateResponse, Status>>;
 
     async fn generate(&self, request: Request<api::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        let mut relay = self.open(request.into_inner(), MaxTokens::EngineDefault).await?;
+        let (metadata, _, request) = request.into_parts();
+        let mut relay = self.open(request, MaxTokens::EngineDefault, Caller::Grpc(&metadata)).await?;
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
             loop {
@@ -364,7 +412,8 @@ impl Tandem for Router {
     }
 
     async fn generate_unary(&self, request: Request<api::GenerateRequest>) -> Result<Response<api::GenerateUnaryResponse>, Status> {
-        let mut relay = self.open(request.into_inner(), MaxTokens::EngineDefault).await?;
+        let (metadata, _, request) = request.into_parts();
+        let mut relay = self.open(request, MaxTokens::EngineDefault, Caller::Grpc(&metadata)).await?;
         let mut out = api::GenerateUnaryResponse { request_id: relay.request_id().to_string(), ..Default::default() };
         while let Some(item) = relay.next().await {
             let msg = item?;

@@ -55,14 +55,9 @@ fn role_name(r: NodeRole) -> &'static str {
 
 /// Records one routing decision.
 pub(crate) fn routed(policy: crate::Policy, remote_prefill: bool) {
-    let policy = match policy {
-        crate::Policy::LeastLoad => "least-load",
-        crate::Policy::PrefixAware => "prefix-aware",
-        crate::Policy::RoundRobin => "round-robin",
-    };
     router()
         .routing
-        .inc(&[policy, if remote_prefill { "remote" } else { "none" }]);
+        .inc(&[policy.name(), if remote_prefill { "remote" } else { "none" }]);
 }
 
 /// Counts nodes joining and leaving `nodes` until the sender goes away (needs a tokio runtime; without

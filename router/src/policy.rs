@@ -20,6 +20,17 @@ pub enum Policy {
     RoundRobin,
 }
 
+impl Policy {
+    /// The policy's name, as `--policy` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::LeastLoad => "least-load",
+            Policy::PrefixAware => "prefix-aware",
+            Policy::RoundRobin => "round-robin",
+        }
+    }
+}
+
 impl FromStr for Policy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -133,6 +144,9 @@ mod tests {
 
     #[test]
     fn policies_parse() {
+        for p in [Policy::LeastLoad, Policy::PrefixAware, Policy::RoundRobin] {
+            assert_eq!(p.name().parse::<Policy>(), Ok(p));
+        }
         assert_eq!("prefix-aware".parse::<Policy>().unwrap(), Policy::PrefixAware);
         assert!("random".parse::<Policy>().is_err());
     }

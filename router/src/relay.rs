@@ -28,6 +28,8 @@ pub(crate) struct Opened {
     pub(crate) decode_id: String,
     /// When the request reached the router (TTFT and end-to-end latency count from here).
     pub(crate) started: Instant,
+    /// The request's span: it ends when the relay is dropped.
+    pub(crate) span: tracing::Span,
 }
 
 /// An opened request: a stream of the decode node's messages, the last one carrying the finish reason
@@ -80,7 +82,10 @@ impl Relay {
         let now = Instant::now();
         if !msg.token_ids.is_empty() {
             match self.last_token_at {
-                None => m.ttft.observe_duration(now - self.opened.started),
+                None => {
+                    m.ttft.observe_duration(now - self.opened.started);
+                    tracing::info!(parent: &self.opened.span, ttft_ms = tandem_node::ms(now - self.opened.started), "first token");
+                }
                 Some(t) => m.itl.observe_duration(now - t),
             }
             self.last_token_at = Some(now);
@@ -95,6 +100,7 @@ impl Relay {
             m.success.inc(&[reason]);
             m.e2e.observe_duration(now - self.opened.started);
             if let Some(u) = &msg.usage {
+                self.opened.span.record("completion_tokens", u.completion_tokens);
                 m.prompt_tokens.add(u64::from(u.prompt_tokens));
                 m.generation_tokens.add(u64::from(u.completion_tokens));
             }

@@ -32,6 +32,8 @@ pub struct ClusterSpec<'a> {
     pub router_extra: &'a [&'a str],
     /// Serve the OpenAI-compatible HTTP API on a free port.
     pub http: bool,
+    /// Environment variables of every process.
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 /// A running cluster.
@@ -112,14 +114,15 @@ impl Cluster {
             router_args.extend_from_slice(&["--http-listen", "127.0.0.1:0"]);
         }
         router_args.extend_from_slice(spec.router_extra);
-        let mut router = Proc::start("router", &router_args);
+        let mut router = Proc::start_with_env("router", &router_args, spec.env);
         let addr = router.wait_serving(START);
         let http = spec.http.then(|| wait_http(&mut router));
         let mut prefill: Vec<Proc> = (0..spec.prefills)
             .map(|i| {
-                Proc::start(
+                Proc::start_with_env(
                     &format!("prefill{i}"),
                     &node_args("prefill", &endpoint, prefix, model, &[]),
+                    spec.env,
                 )
             })
             .collect();
@@ -130,9 +133,10 @@ impl Cluster {
                     extra.extend_from_slice(&["--local-prefill-below", "0"]);
                 }
                 extra.extend_from_slice(spec.decode_extra);
-                Proc::start(
+                Proc::start_with_env(
                     &format!("decode{i}"),
                     &node_args("decode", &endpoint, prefix, model, &extra),
+                    spec.env,
                 )
             })
             .collect();

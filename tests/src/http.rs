@@ -34,14 +34,20 @@ impl HttpResponse {
 /// Sends `METHOD path` to `addr` (HOST:PORT) with an optional JSON body and reads the whole response.
 /// Panics on any I/O error or a malformed response.
 pub fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+    request_with_headers(addr, method, path, &[], body)
+}
+
+/// [`request`] with extra request headers.
+pub fn request_with_headers(addr: &str, method: &str, path: &str, extra: &[(&str, &str)], body: Option<&str>) -> HttpResponse {
     let mut stream =
         TcpStream::connect(addr).unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
     let body = body.unwrap_or("");
+    let extra: String = extra.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n",
         body.len()
     );
     stream

@@ -1,12 +1,13 @@
 //! Helpers for tandem's end-to-end tests: find the `tandem` binary, run it with a time limit, and
 //! get the real model through `tandem model pull` (idempotent; the first run downloads it); plus
 //! long-running processes (`process`), etcd (`etcd`), a cluster of them (`cluster`) and a raw HTTP
-//! client (`http`).
+//! client (`http`) and an OTLP trace collector (`otlp`).
 
 pub mod process;
 pub mod etcd;
 pub mod cluster;
 pub mod http;
+pub mod otlp;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

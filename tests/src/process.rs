@@ -20,9 +20,15 @@ pub struct Proc {
 impl Proc {
     /// Starts `tandem ARGS` (`name` labels it in failure messages).
     pub fn start(name: &str, args: &[&str]) -> Proc {
+        Proc::start_with_env(name, args, &[])
+    }
+
+    /// [`Proc::start`] with extra environment variables.
+    pub fn start_with_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut child = Command::new(tandem_bin())
             .args(args)
             .env("TANDEM_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -35,7 +35,7 @@ fn start(prefills: usize, decodes: usize, decode_extra: &[&str]) -> Cluster {
 }
 
 fn start_with(prefills: usize, decodes: usize, decode_extra: &[&str], router_extra: &[&str]) -> Cluster {
-    Cluster::start(PREFIX, ClusterSpec { prefills, decodes, decode_extra, router_extra, http: false })
+    Cluster::start(PREFIX, ClusterSpec { prefills, decodes, decode_extra, router_extra, http: false, env: &[] })
 }
 
 /// What these tests ask of a cluster beyond the shared harness: gRPC clients and health.

@@ -17,6 +17,14 @@ use tandem_tests::smollm2_dir;
 
 /// Requests sent.
 const N: u64 = 3;
+
+/// Shared by every prompt of the counting test: longer than two 16-token blocks.
+const PREAMBLE: &str = "You are a careful assistant. Answer each question in one short sentence, \
+     naming the place and nothing else, without any introduction, apology or explanation.";
+
+fn n_f64() -> f64 {
+    N as f64
+}
 const METRICS_ARGS: &[&str] = &["--metrics-listen", "127.0.0.1:0"];
 
 /// Waits for a node's `... metrics on http://ADDR/metrics` line and returns ADDR.
@@ -203,10 +211,11 @@ fn metrics_count_exactly_the_requests_served() {
     wait_nodes(&http);
 
     let before = scrape(&http);
-    let (mut prompt_tokens, mut completion_tokens) = (0.0, 0.0);
+    let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0.0, 0.0, 0.0);
     for i in 0..N {
+        // A shared preamble of several 16-token blocks: later requests hit the prefix caches.
         let body = json!({
-            "prompt": format!("Request number {i} asks: what is the capital of France?"),
+            "prompt": format!("{PREAMBLE} Request number {i} asks: what is the capital of France?"),
             "max_tokens": 4,
             "temperature": 0,
         });
@@ -217,7 +226,11 @@ fn metrics_count_exactly_the_requests_served() {
         completion_tokens += usage["completion_tokens"]
             .as_f64()
             .expect("completion_tokens");
+        cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+            .as_f64()
+            .expect("cached_tokens");
     }
+    assert!(cached_tokens >= 32.0 * (n_f64() - 1.0), "the preamble was not served from the decode node's cache: {cached_tokens}");
     let after = scrape(&http);
     let moved = |name: &str| sum(&after, name) - sum(&before, name);
     let n = N as f64;
@@ -253,20 +266,29 @@ fn metrics_count_exactly_the_requests_served() {
     );
 
     let p = scrape(&prefill);
-    assert_eq!(
-        get(&p, "tandem:kv_transfers_total{backend=\"tcp\"}"),
-        n,
-        "{p:?}"
-    );
-    assert_eq!(
-        get(&p, "tandem:kv_transfer_seconds_count{backend=\"tcp\"}"),
-        n
-    );
-    assert!(get(&p, "tandem:kv_transfer_bytes_total{backend=\"tcp\"}") > 0.0);
-    assert_eq!(sum(&p, "tandem:kv_transfer_failures_total"), 0.0);
-    assert_eq!(get(&p, "tandem:num_requests_running"), 0.0);
-
     let d = scrape(&decode);
+    // One transfer per request, counted once by the sender and once by the receiver, same bytes.
+    for (node, direction) in [(&p, "send"), (&d, "recv")] {
+        let series = |name: &str| format!("{name}{{backend=\"tcp\",direction=\"{direction}\"}}");
+        assert_eq!(get(node, &series("tandem:kv_transfers_total")), n, "{node:?}");
+        assert_eq!(get(node, &series("tandem:kv_transfer_seconds_count")), n);
+        assert_eq!(sum(node, "tandem:kv_transfer_failures_total"), 0.0);
+    }
+    let sent = get(&p, "tandem:kv_transfer_bytes_total{backend=\"tcp\",direction=\"send\"}");
+    assert!(sent > 0.0);
+    assert_eq!(get(&d, "tandem:kv_transfer_bytes_total{backend=\"tcp\",direction=\"recv\"}"), sent);
+    assert_eq!(get(&p, "tandem:num_requests_running"), 0.0);
+    // Every prompt queued once on the prefill node; the decode node queues none (all remote).
+    assert_eq!(get(&p, "tandem:request_queue_time_seconds_count"), n);
+    assert_eq!(get(&d, "tandem:request_queue_time_seconds_count"), 0.0);
+    // Prefix-cache lookups: every prompt token once on each node; the decode node's hits are the
+    // cached tokens it reported; the prefill node holds the preamble too (it computed it first).
+    assert_eq!(get(&d, "tandem:prefix_cache_queries_total"), prompt_tokens);
+    assert_eq!(get(&d, "tandem:prefix_cache_hits_total"), cached_tokens);
+    assert_eq!(get(&p, "tandem:prefix_cache_queries_total"), prompt_tokens);
+    let prefill_hits = get(&p, "tandem:prefix_cache_hits_total");
+    assert!(prefill_hits >= 32.0 * (n - 1.0) && prefill_hits <= prompt_tokens, "{prefill_hits}");
+
     assert_eq!(sum(&d, "tandem:local_prefill_total"), 0.0, "{d:?}");
     let used = get(&d, "tandem:kv_cache_blocks{state=\"used\"}");
     let free = get(&d, "tandem:kv_cache_blocks{state=\"free\"}");

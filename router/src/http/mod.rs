@@ -24,7 +24,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -146,7 +146,7 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
-async fn completions(State(http): State<Http>, body: Body) -> Response {
+async fn completions(State(http): State<Http>, headers: HeaderMap, body: Body) -> Response {
     let plan = match read_body(body)
         .await
         .and_then(|b| request::completion_plan(parse(&b)?))
@@ -154,12 +154,12 @@ async fn completions(State(http): State<Http>, body: Body) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    generate(http, plan)
+    generate(http, plan, &headers)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(State(http): State<Http>, body: Body) -> Response {
+async fn chat_completions(State(http): State<Http>, headers: HeaderMap, body: Body) -> Response {
     let plan = match read_body(body)
         .await
         .and_then(|b| request::chat_plan(parse(&b)?))
@@ -167,22 +167,44 @@ async fn chat_completions(State(http): State<Http>, body: Body) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    generate(http, plan)
+    generate(http, plan, &headers)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Opens one relay per choice and answers from them.
-async fn generate(http: Http, plan: Plan) -> Result<Response, ApiError> {
+/// Longest `X-Request-Id` taken from a client.
+pub const MAX_REQUEST_ID: usize = 128;
+
+/// The client's `X-Request-Id`, if it sent one: visible ASCII, at most [`MAX_REQUEST_ID`] bytes.
+fn client_request_id(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(v) = headers.get(REQUEST_ID) else { return Ok(None) };
+    let bad = || {
+        ApiError::invalid(
+            None,
+            format!("the X-Request-Id header must be 1 to {MAX_REQUEST_ID} visible ASCII characters"),
+        )
+    };
+    let s = v.to_str().map_err(|_| bad())?;
+    if s.is_empty() || s.len() > MAX_REQUEST_ID || !s.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(bad());
+    }
+    Ok(Some(s.to_string()))
+}
+
+const REQUEST_ID: &str = "x-request-id";
+
+/// Opens one relay per choice and answers from them. The nodes know choice `i` as `RID-i`, where RID
+/// is the client's `X-Request-Id` or else the response's id; the response's `X-Request-Id` is RID.
+async fn generate(http: Http, plan: Plan, headers: &HeaderMap) -> Result<Response, ApiError> {
     let id = http.ids.next(match plan.endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
     });
+    let rid = client_request_id(headers)?.unwrap_or_else(|| id.clone());
     let mut relays = Vec::with_capacity(plan.choices.len());
     for (i, mut req) in plan.choices.into_iter().enumerate() {
-        // The nodes log the request under the response's id.
-        req.request_id = format!("{id}-{i}");
-        relays.push(http.router.open(req, plan.max_tokens).await?);
+        req.request_id = format!("{rid}-{i}");
+        relays.push(http.router.open(req, plan.max_tokens, crate::Caller::Http(headers)).await?);
     }
     let first = relays
         .first()
@@ -197,13 +219,15 @@ async fn generate(http: Http, plan: Plan) -> Result<Response, ApiError> {
         logprobs: plan.logprobs,
         include_usage: plan.include_usage,
     };
-    if plan.stream {
-        return Ok(Sse::new(EventStream::new(reply, relays)).into_response());
+    let mut response = if plan.stream {
+        Sse::new(EventStream::new(reply, relays)).into_response()
+    } else {
+        json_response(StatusCode::OK, respond::collect(reply, relays).await?)
+    };
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        response.headers_mut().insert(REQUEST_ID, v);
     }
-    Ok(json_response(
-        StatusCode::OK,
-        respond::collect(reply, relays).await?,
-    ))
+    Ok(response)
 }
 
 fn model_card(m: crate::ModelSummary, created: u64) -> wire::ModelCard {
