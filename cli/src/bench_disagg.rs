@@ -53,14 +53,14 @@ const TINY: &str = r#"{
 }"#;
 
 /// The weights' seed: the engine alone and both nodes get the same weights.
-const SEED: u64 = 0x5eed;
+pub(crate) const SEED: u64 = 0x5eed;
 
 /// Prompt token ids are drawn from `FIRST_TOKEN..vocab` (clear of the usual special ids).
 const FIRST_TOKEN: u32 = 10;
 
 /// A model geometry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Geometry {
+pub(crate) enum Geometry {
     /// Llama-3.1-8B (32 layers, hidden 4096, 32 heads / 8 KV heads, vocab 128256).
     #[value(name = "llama3.1-8b")]
     Llama31_8b,
@@ -69,14 +69,14 @@ enum Geometry {
 }
 
 impl Geometry {
-    fn config_json(self) -> &'static str {
+    pub(crate) fn config_json(self) -> &'static str {
         match self {
             Geometry::Llama31_8b => LLAMA31_8B,
             Geometry::Tiny => TINY,
         }
     }
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Geometry::Llama31_8b => "llama3.1-8b-random",
             Geometry::Tiny => "tiny-random",
@@ -502,6 +502,7 @@ fn cluster(
         listen: "127.0.0.1:0".parse()?,
         policy: Policy::LeastLoad,
         local_prefill_below: 0,
+        colocated: false,
     };
     let rt = crate::cluster::runtime()?;
     let secs = limit.as_secs();
@@ -509,15 +510,16 @@ fn cluster(
         let cluster = tokio::time::timeout(limit, EmbeddedCluster::start(opts))
             .await
             .map_err(|_| anyhow!("cluster: the nodes did not start within {secs} s (--timeout-s)"))??;
+        let prefill = cluster.prefill.as_ref().context("the embedded cluster has no prefill node")?;
         eprintln!(
             "cluster: serving on {} (prefill node {} KV blocks, decode node {} KV blocks, KV over {})",
-            cluster.addr, cluster.prefill.num_blocks, cluster.decode.num_blocks, cluster.decode.kv_backend
+            cluster.addr, prefill.num_blocks, cluster.decode.num_blocks, cluster.decode.kv_backend
         );
         let measured = measure_cluster(&cluster.addr.to_string(), workload, limit).await;
         let mut figures = ClusterFigures {
-            prefill_backend: cluster.prefill.kv_backend.clone(),
+            prefill_backend: prefill.kv_backend.clone(),
             decode_backend: cluster.decode.kv_backend.clone(),
-            prefill_blocks: cluster.prefill.num_blocks,
+            prefill_blocks: prefill.num_blocks,
             decode_blocks: cluster.decode.num_blocks,
             ttft_s: Vec::new(),
             load_tok_s: None,

@@ -170,6 +170,10 @@ pub(crate) struct DecodeArgs {
     /// Prefill prompts here when fewer than this many of their tokens are not already cached.
     #[arg(long, default_value_t = 32)]
     local_prefill_below: usize,
+    /// Prefill every prompt here, never on a prefill node (the colocated baseline that
+    /// disaggregation is compared with).
+    #[arg(long, conflicts_with = "local_prefill_below")]
+    colocated: bool,
 }
 
 /// `tandem up`.
@@ -190,6 +194,16 @@ pub(crate) struct UpArgs {
     /// transfer).
     #[arg(long, default_value_t = 0)]
     local_prefill_below: usize,
+    /// No prefill node: the decode node prefills every prompt itself with the whole memory budget
+    /// (the colocated baseline that disaggregation is compared with).
+    #[arg(long, conflicts_with = "local_prefill_below")]
+    colocated: bool,
+    /// Random bf16 weights of this geometry instead of --model (benchmarks; needs --device cuda).
+    #[arg(long, value_enum, value_name = "GEOMETRY")]
+    random_weights: Option<crate::bench_disagg::Geometry>,
+    /// With --random-weights: a directory with tokenizer.json within the geometry's vocabulary.
+    #[arg(long, default_value = "tests/fixtures/tiny/llama", requires = "random_weights")]
+    tokenizer_dir: std::path::PathBuf,
     /// Answer this prompt through the cluster (streamed to stdout), then shut down.
     #[arg(long)]
     prompt: Option<String>,
@@ -496,7 +510,8 @@ pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         return args.node.check("decode");
     }
     let setup = node_setup(&args.node)?;
-    let opts = DecodeOptions { local_prefill_below: args.local_prefill_below, ..DecodeOptions::default() };
+    let local_prefill_below = if args.colocated { usize::MAX } else { args.local_prefill_below };
+    let opts = DecodeOptions { local_prefill_below, ..DecodeOptions::default() };
     runtime()?.block_on(async {
         let membership = args.node.etcd.connect().await?;
         let listener = bind(args.node.listen).await?;
@@ -590,12 +605,27 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         check::engine(&args.engine, &args.kv_connector)?;
         return check::ok("tandem up");
     }
-    let (dir, engine) = args.engine.prepare(true)?;
+    let (dir, weights, model_name, engine) = match args.random_weights {
+        Some(geometry) => {
+            let engine = args.engine.config(true)?;
+            anyhow::ensure!(
+                matches!(engine.device, tandem_engine::Device::Cuda { .. }),
+                "--random-weights needs --device cuda (the CPU engine loads only checkpoints)"
+            );
+            let config_json = geometry.config_json().to_string();
+            let weights = Weights::Random { config_json, tokenizer_dir: args.tokenizer_dir.clone(), seed: crate::bench_disagg::SEED };
+            (std::path::PathBuf::new(), weights, geometry.name().to_string(), engine)
+        }
+        None => {
+            let (dir, engine) = args.engine.prepare(true)?;
+            let name = args.engine.model_name(&dir);
+            (dir, Weights::Dir, name, engine)
+        }
+    };
     let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
-    let model_name = args.engine.model_name(&dir);
     let setup = NodeSetup {
         model_dir: dir,
-        weights: Weights::Dir,
+        weights,
         model_name,
         engine,
         kv_spec: args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu),
@@ -605,7 +635,13 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         // A one-shot --prompt run answers on stdout only; otherwise the HTTP port is taken before the
         // models load, so a busy port fails at once.
         let http = if args.prompt.is_some() { None } else { bind_optional(args.http_listen.0).await? };
-        let opts = EmbeddedOptions { setup, listen: args.listen, policy: args.policy, local_prefill_below: args.local_prefill_below };
+        let opts = EmbeddedOptions {
+            setup,
+            listen: args.listen,
+            policy: args.policy,
+            local_prefill_below: args.local_prefill_below,
+            colocated: args.colocated,
+        };
         let cluster = EmbeddedCluster::start(opts).await?;
         println!("tandem up: serving on {}", cluster.addr);
         if let Some(h) = &http {
@@ -638,6 +674,8 @@ pub(crate) struct EmbeddedOptions {
     pub(crate) policy: Policy,
     /// The decode node prefills prompts with fewer uncached tokens than this itself (0: never).
     pub(crate) local_prefill_below: usize,
+    /// No prefill node: the decode node prefills every prompt with the whole memory budget.
+    pub(crate) colocated: bool,
 }
 
 /// What one embedded node reports about itself.
@@ -653,8 +691,8 @@ pub(crate) struct EmbeddedNode {
 pub(crate) struct EmbeddedCluster {
     /// Where the router serves the client API.
     pub(crate) addr: SocketAddr,
-    /// The prefill node.
-    pub(crate) prefill: EmbeddedNode,
+    /// The prefill node (none when colocated).
+    pub(crate) prefill: Option<EmbeddedNode>,
     /// The decode node.
     pub(crate) decode: EmbeddedNode,
     /// The router (serving gRPC on `addr`; more front ends may share it).
@@ -672,17 +710,29 @@ impl EmbeddedCluster {
         let fabric = Fabric::new();
         // On one GPU both engines share the memory budget: `gpu_memory_utilization` counts what is
         // in use already, so the prefill engine (loaded first) takes half and the decode engine the rest.
-        let mut prefill_setup = setup.clone();
-        prefill_setup.engine.gpu_memory_utilization /= 2.0;
+        // Colocated, the decode node alone takes the whole budget and prefills every prompt.
         let peers = Peers::new(membership.watch().await?, setup.model_name.clone());
-        let prefill = PrefillNode::start(prefill_setup, &fabric, peers.clone()).await?;
-        let decode_opts = DecodeOptions { local_prefill_below: opts.local_prefill_below, ..DecodeOptions::default() };
+        let prefill = if opts.colocated {
+            None
+        } else {
+            let mut prefill_setup = setup.clone();
+            prefill_setup.engine.gpu_memory_utilization /= 2.0;
+            Some(PrefillNode::start(prefill_setup, &fabric, peers.clone()).await?)
+        };
+        let local_prefill_below = if opts.colocated { usize::MAX } else { opts.local_prefill_below };
+        let decode_opts = DecodeOptions { local_prefill_below, ..DecodeOptions::default() };
         let decode = DecodeNode::start(setup, decode_opts, &fabric, peers).await?;
         let report = |core: &NodeCore| EmbeddedNode { kv_backend: core.connector.backend().to_string(), num_blocks: core.num_blocks };
-        let (prefill_report, decode_report) = (report(prefill.core()), report(decode.core()));
+        let (prefill_report, decode_report) = (prefill.as_ref().map(|p| report(p.core())), report(decode.core()));
+        let mut services = Vec::new();
+        if let Some(p) = prefill {
+            services.push((NodeService::Prefill(p), "prefill"));
+        }
+        services.push((NodeService::Decode(decode), "decode"));
+        let node_count = services.len();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut nodes = Vec::new();
-        for (service, role) in [(NodeService::Prefill(prefill), "prefill"), (NodeService::Decode(decode), "decode")] {
+        for (service, role) in services {
             let listener = bind("127.0.0.1:0".parse()?).await?;
             let id = default_id(role, &listener);
             let membership = membership.clone();
@@ -692,7 +742,7 @@ impl EmbeddedCluster {
         let watched = membership.watch().await?;
         // Wait until both nodes registered, so the first request finds them.
         let mut watch = watched.clone();
-        tokio::time::timeout(Duration::from_secs(30), watch.wait_for(|n| n.len() >= 2))
+        tokio::time::timeout(Duration::from_secs(30), watch.wait_for(|n| n.len() >= node_count))
             .await
             .context("the embedded nodes did not register")?
             .context("membership closed")?;

@@ -59,12 +59,19 @@ impl EngineArgs {
     /// Resolves the model (pulling it if needed), sets up the thread pool and returns the model
     /// directory and the engine configuration, without loading.
     pub(crate) fn prepare(&self, prefix_caching: bool) -> anyhow::Result<(PathBuf, EngineConfig)> {
+        let cfg = self.config(prefix_caching)?;
+        let dir = crate::pull::resolve_model(&self.model, &self.cache.cache()?)?;
+        Ok((dir, cfg))
+    }
+
+    /// Sets up the thread pool and returns the engine configuration (the model is not resolved:
+    /// random weights need none).
+    pub(crate) fn config(&self, prefix_caching: bool) -> anyhow::Result<EngineConfig> {
         if let Some(n) = self.threads {
             anyhow::ensure!(n > 0, "--threads must be at least 1");
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
         }
-        let dir = crate::pull::resolve_model(&self.model, &self.cache.cache()?)?;
-        let cfg = EngineConfig {
+        Ok(EngineConfig {
             block_size: self.block_size,
             kv_cache_bytes: self.kv_cache_mib << 20,
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -72,8 +79,7 @@ impl EngineArgs {
             device: self.device,
             gpu_memory_utilization: self.gpu_memory_utilization,
             ..EngineConfig::default()
-        };
-        Ok((dir, cfg))
+        })
     }
 
     /// The name clients use for the model: the known name given, or the directory's name.

@@ -3,14 +3,18 @@
 //! the same sweep over HTTP, then a closed-loop run: each JSON report must account for every request,
 //! give each the exact token counts asked for, and hold ordered percentiles and throughputs that
 //! agree with its own per-request records. The reports are then drawn into one PNG, and bad flags
-//! fail with a message and a non-zero exit.
+//! fail with a message and a non-zero exit. `tandem up --colocated` (the baseline the comparison
+//! needs) serves with no prefill node, every prompt prefilled on the decode node.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tandem_tests::cluster::{Cluster, ClusterSpec};
+use tandem_proto::v1 as api;
+use tandem_proto::v1::tandem_client::TandemClient;
+use tandem_tests::cluster::{Cluster, ClusterSpec, START};
 use tandem_tests::http::request;
+use tandem_tests::process::Proc;
 use tandem_tests::{run_tandem, smollm2_dir};
 
 const PROMPTS: usize = 6;
@@ -204,4 +208,29 @@ fn bench_serve_refuses_bad_flags() {
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_tandem_up_prefills_on_the_decode_node() {
+    let model = smollm2_dir();
+    let model = model.to_str().unwrap();
+    let mut up = Proc::start(
+        "up-colocated",
+        &["up", "--colocated", "--model", model, "--kv-cache-mib", "256", "--listen", "127.0.0.1:0", "--http-listen", "off"],
+    );
+    let addr = tokio::task::block_in_place(|| up.wait_serving(START));
+    let mut client = TandemClient::connect(format!("http://{addr}")).await.expect("connect");
+    let health = client.health(api::HealthRequest {}).await.expect("health").into_inner();
+    assert!(health.serving);
+    assert_eq!((health.prefill_nodes, health.decode_nodes), (0, 1), "colocated: the decode node alone");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("colocated.json");
+    let report = tokio::task::block_in_place(|| {
+        bench(&["--router", &addr, "--concurrency", "2", "--num-prompts", "6", "--input-len", "uniform:16:48", "--output-len", "8", "--warmup", "1"], &out)
+    });
+    let s = &report["runs"][0]["summary"];
+    assert_eq!((s["completed"].as_u64(), s["total_output_tokens"].as_u64()), (Some(6), Some(6 * OUTPUT)), "{s}");
+    // Every request (warm-up included) was prefilled where it was decoded.
+    assert!(up.stderr_shows("prefill=local", Duration::from_secs(5)), "{}", up.stderr());
+    assert!(!up.stderr().contains("remote_prefill"), "{}", up.stderr());
 }
