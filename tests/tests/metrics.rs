@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tandem_tests::cluster::{Cluster, ClusterSpec, START, node_args};
 use tandem_tests::http::request;
 use tandem_tests::process::Proc;
-use tandem_tests::smollm2_dir;
+use tandem_tests::{repo_root, smollm2_dir};
 
 /// Requests sent.
 const N: u64 = 3;
@@ -88,6 +88,32 @@ fn promtool_check(text: &str) {
             && (out.status.success() || report.lines().any(|l| l.ends_with(COLON_LINT))),
         "promtool check metrics failed:\n{report}\n--- exposition ---\n{text}"
     );
+}
+
+/// The families `GET /metrics` at `addr` declares, with their types.
+fn families(addr: &str) -> HashMap<String, String> {
+    let r = request(addr, "GET", "/metrics", None);
+    r.body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.split_once(' '))
+        .map(|(n, k)| (n.to_string(), k.to_string()))
+        .collect()
+}
+
+/// Every `tandem:` metric name a dashboard's JSON mentions.
+fn dashboard_metrics(json: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = json;
+    while let Some(i) = rest.find("tandem:") {
+        let tail = &rest[i..];
+        let end = tail[7..].find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).map_or(tail.len(), |e| e + 7);
+        if end > 7 {
+            names.insert(tail[..end].to_string());
+        }
+        rest = &tail[end..];
+    }
+    names
 }
 
 /// Samples by `name{labels}` exactly as written.
@@ -290,6 +316,24 @@ fn metrics_count_exactly_the_requests_served() {
     assert!(prefill_hits >= 32.0 * (n - 1.0) && prefill_hits <= prompt_tokens, "{prefill_hits}");
 
     assert_eq!(sum(&d, "tandem:local_prefill_total"), 0.0, "{d:?}");
+
+    // The Grafana dashboard under deploy/ queries only families these processes serve, with the
+    // histogram suffixes only on histograms.
+    let mut served: HashMap<String, String> = HashMap::new();
+    for addr in [&http, &prefill, &decode] {
+        served.extend(families(addr));
+    }
+    let dashboard = std::fs::read_to_string(repo_root().join("deploy/grafana/tandem.json")).expect("deploy/grafana/tandem.json");
+    let used = dashboard_metrics(&dashboard);
+    assert!(used.len() >= 10, "{used:?}");
+    for name in &used {
+        let (family, histogram_part) = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|f| served.get(*f).is_some_and(|k| k == "histogram")).map(|f| (f, true)))
+            .unwrap_or((name.as_str(), false));
+        let kind = served.get(family).unwrap_or_else(|| panic!("the dashboard queries {name}, which nothing serves"));
+        assert!(histogram_part || kind != "histogram", "the dashboard queries histogram {name} without _bucket/_sum/_count");
+    }
     let used = get(&d, "tandem:kv_cache_blocks{state=\"used\"}");
     let free = get(&d, "tandem:kv_cache_blocks{state=\"free\"}");
     assert!(free > 0.0);
