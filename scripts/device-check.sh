@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: run the CUDA checks of tandem on the GPU machine.
 #
-#   scripts/device-check.sh [kernels] [reference] [model] [cluster] [kv] [cluster2] [disagg] [bench]
+#   scripts/device-check.sh [kernels] [reference] [model] [cluster] [kv] [cluster2] [disagg] [serve] [bench]
 #                                                                     (default: all)
 #
 # Expects prebuilt binaries carried in .device/ (build them on the dev machine):
@@ -26,6 +26,11 @@
 #              prefill; a prefill node killed mid-request still leaves a correct answer
 #   disagg     tandem bench disagg --device cuda (TTFT through the cluster against the engine
 #              alone, and 256 clients against the engine's offline throughput) $DISAGG_ARGS
+#   serve      scripts/serve-compare.sh: tandem up --device cuda --random-weights llama3.1-8b
+#              colocated (the decode node alone prefills everything) and disaggregated (1 prefill +
+#              1 decode node sharing the GPU, KV through cuda-ipc), the same `tandem bench serve`
+#              Poisson sweep against each ($SERVE_ARGS replaces the default workload); reports,
+#              logs and serve-compare.png in $OUT/serve/
 #   bench      .device/tandem bench engine --device cuda --hf-python python3
 #              --hf-script scripts/reference/hf_offline_bench.py $BENCH_ARGS
 #
@@ -35,6 +40,10 @@
 #
 # Environment knobs (all optional):
 #   BENCH_ARGS      extra arguments for `tandem bench engine` (word-split)
+#   SERVE_ARGS      the `tandem bench serve` workload of the serve stage (word-split; default
+#                   --request-rate 2,4,8,16,32 --num-prompts 100 --input-len 1024 --output-len 128
+#                   --slo-ttft-ms 300 --slo-itl-ms 30)
+#   SERVE_UP_ARGS   extra arguments of both `tandem up`s of the serve stage (word-split)
 #   TEST_SELECT     which tests the test binaries run, word-split (default --include-ignored,
 #                   e.g. "--ignored ipc" runs the ignored tests whose names contain ipc;
 #                   i.e. ignored and non-ignored; use --ignored for ignored only)
@@ -55,7 +64,7 @@ OUT="${OUT:-/tmp/device-out}"
 PYTHON="${PYTHON:-python3}"
 CUDA_REF_DIR="${CUDA_REF_DIR:-/tmp/cuda-ref}"
 TEST_SELECT="${TEST_SELECT:---include-ignored}"
-ALL_STAGES=(kernels reference model cluster kv cluster2 disagg bench)
+ALL_STAGES=(kernels reference model cluster kv cluster2 disagg serve bench)
 mkdir -p "$OUT"
 
 # ---- which stages -----------------------------------------------------------------
@@ -65,7 +74,7 @@ if (($# == 0)); then
 fi
 for arg in "$@"; do
     case "$arg" in
-        kernels | reference | model | cluster | kv | cluster2 | disagg | bench) WANT[$arg]=1 ;;
+        kernels | reference | model | cluster | kv | cluster2 | disagg | serve | bench) WANT[$arg]=1 ;;
         all) for s in "${ALL_STAGES[@]}"; do WANT[$s]=1; done ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "device-check: unknown stage '$arg' (want: ${ALL_STAGES[*]} or all)" >&2; exit 2 ;;
@@ -231,6 +240,14 @@ stage_disagg() {
     cmd .device/tandem bench disagg --device cuda "${extra[@]}"
 }
 
+stage_serve() {
+    local workload=()
+    read -ra workload <<<"${SERVE_ARGS:---request-rate 2,4,8,16,32 --num-prompts 100 --input-len 1024 --output-len 128 --slo-ttft-ms 300 --slo-itl-ms 30}"
+    TANDEM=.device/tandem OUT_DIR="$OUT/serve" START_TIMEOUT=300 \
+        UP_ARGS="--device cuda --random-weights llama3.1-8b ${SERVE_UP_ARGS:-}" \
+        cmd scripts/serve-compare.sh --tokenizer tests/fixtures/tiny/llama "${workload[@]}"
+}
+
 stage_bench() {
     local extra=()
     read -ra extra <<<"${BENCH_ARGS:-}"
@@ -283,6 +300,7 @@ if [[ -n "${WANT[cluster]:-}" ]]; then run_stage cluster || true; fi
 if [[ -n "${WANT[kv]:-}" ]]; then run_stage kv || true; fi
 if [[ -n "${WANT[cluster2]:-}" ]]; then run_stage cluster2 || true; fi
 if [[ -n "${WANT[disagg]:-}" ]]; then run_stage disagg || true; fi
+if [[ -n "${WANT[serve]:-}" ]]; then run_stage serve || true; fi
 if [[ -n "${WANT[bench]:-}" ]]; then run_stage bench || true; fi
 
 echo
