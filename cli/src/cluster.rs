@@ -300,10 +300,11 @@ fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
     let (dir, engine) = args.engine.prepare(true)?;
     let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
     let mut kv_spec = args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu);
-    if let (ConnectorSpec::Tcp(opts), Some(host)) = (&mut kv_spec, &args.advertise)
-        && opts.advertise.is_none()
-    {
-        opts.advertise = Some(host.clone());
+    // A connector bound to 0.0.0.0 (tcp://, nccl://) advertises the node's host, not loopback.
+    match (&mut kv_spec, &args.advertise) {
+        (ConnectorSpec::Tcp(opts), Some(host)) if opts.advertise.is_none() => opts.advertise = Some(host.clone()),
+        (ConnectorSpec::Nccl(opts), Some(host)) if opts.advertise.is_none() => opts.advertise = Some(host.clone()),
+        _ => {}
     }
     Ok(NodeSetup {
         model_name: args.engine.model_name(&dir),
