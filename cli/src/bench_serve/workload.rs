@@ -312,6 +312,39 @@ mod tests {
     }
 
     #[test]
+    fn sharegpt_first_turns_become_requests() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/llama");
+        let tokenizer = Tokenizer::from_model_dir(&dir).unwrap();
+        let long_q = "the quick brown fox jumps over the lazy dog and keeps running far away";
+        let answer = "a fox is a small animal that lives in the woods and eats berries";
+        let path = std::env::temp_dir().join(format!("tandem-sharegpt-test-{}.json", std::process::id()));
+        let convs = serde_json::json!([
+            {"conversations": [{"from": "human", "value": long_q}, {"from": "gpt", "value": answer}, {"from": "human", "value": "more"}]},
+            {"conversations": [{"from": "human", "value": long_q}]},
+            {"conversations": [{"from": "human", "value": long_q}, {"from": "gpt", "value": "ok"}]},
+            {"id": "no conversations"},
+            {"conversations": [{"from": "human", "value": answer}, {"from": "gpt", "value": long_q}]},
+        ]);
+        std::fs::write(&path, convs.to_string()).unwrap();
+        let entries = load_sharegpt(&path, &tokenizer, 10_000, 1).unwrap();
+        assert_eq!(entries.len(), 2, "one-turn, short-answer and malformed conversations are skipped");
+        let (q, a) = (tokenizer.encode(long_q, false).unwrap(), tokenizer.encode(answer, false).unwrap());
+        let mut got: Vec<(Vec<u32>, usize)> = entries.iter().map(|e| (e.prompt.clone(), e.output_len)).collect();
+        got.sort();
+        let mut want = vec![(q.clone(), a.len()), (a.clone(), q.len())];
+        want.sort();
+        assert_eq!(got, want);
+        // Too long for max_len: skipped, and nothing left is an error.
+        assert!(load_sharegpt(&path, &tokenizer, q.len() + a.len() - 1, 1).is_err());
+        let _ = std::fs::remove_file(&path);
+        // Runs take consecutive entries, wrapping.
+        let src = Source::Dataset(entries);
+        let run0 = src.requests(0, 0, 3);
+        assert_eq!(run0[0], run0[2]);
+        assert_eq!(src.requests(0, 1, 1)[0], run0[1]);
+    }
+
+    #[test]
     fn rates_parse() {
         assert_eq!(parse_rate("2.5"), Ok(2.5));
         assert_eq!(parse_rate("inf"), Ok(f64::INFINITY));
