@@ -95,6 +95,10 @@ pub(crate) struct RouterArgs {
     /// /health) on this address (port 0 picks one).
     #[arg(long)]
     http_listen: Option<SocketAddr>,
+    /// Require one of the API keys in this file (one per line; re-read on SIGHUP) as
+    /// `authorization: Bearer KEY` on every request [default: open to anyone who can reach it].
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     drain: DrainArgs,
     /// Only check the command line, then exit (nothing is reached, bound or loaded).
@@ -217,6 +221,9 @@ pub(crate) struct UpArgs {
     /// otherwise), tcp or cuda-ipc.
     #[arg(long, default_value = "auto")]
     kv_connector: String,
+    /// Require one of the API keys in this file (one per line; re-read on SIGHUP) on every request.
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<std::path::PathBuf>,
     /// Only check the command line, then exit (no model is pulled or loaded, nothing bound).
     #[arg(long)]
     check: bool,
@@ -256,6 +263,9 @@ pub(crate) struct ClientArgs {
     /// With --chat: a system message.
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// The API key the router asks for (sent as `authorization: Bearer KEY`).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// The prompt.
     prompt: String,
 }
@@ -562,12 +572,17 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
         check::etcd(&args.etcd)?;
         return check::ok("tandem router");
     }
+    if let Some(file) = &args.api_key_file {
+        // Before etcd is reached: a bad key file fails at once.
+        tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
+    }
     runtime()?.block_on(async {
         let membership = args.etcd.connect().await?;
         let nodes = membership.watch().await.context("watching membership")?;
         let listener = bind(args.listen).await?;
         let http = bind_optional(args.http_listen).await?;
         let router = Router::new(nodes.clone(), args.policy);
+        api_keys(&router, args.api_key_file.as_deref(), true)?;
         let health = router_health(&router, nodes).await;
         println!("tandem router serving on {}", listener.local_addr()?);
         if let Some(h) = &http {
@@ -605,6 +620,10 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
     if args.check {
         check::engine(&args.engine, &args.kv_connector)?;
         return check::ok("tandem up");
+    }
+    if let Some(file) = &args.api_key_file {
+        // Before any model loads: a bad key file fails at once.
+        tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
     }
     let (dir, weights, model_name, engine) = match args.random_weights {
         Some(geometry) => {
@@ -644,6 +663,7 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
             colocated: args.colocated,
         };
         let cluster = EmbeddedCluster::start(opts).await?;
+        let keys = api_keys(&cluster.router, args.api_key_file.as_deref(), args.prompt.is_none())?;
         println!("tandem up: serving on {}", cluster.addr);
         if let Some(h) = &http {
             println!("tandem up: OpenAI API on http://{}/v1", h.local_addr()?);
@@ -652,7 +672,7 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         let outcome = match (&args.prompt, http) {
             (Some(prompt), _) => {
                 let req = request(prompt, args.chat, None, "", sampling(args.max_tokens, 0.0, None, None, None, Vec::new()));
-                stream_to_stdout(&cluster.addr.to_string(), req).await
+                stream_to_stdout(&cluster.addr.to_string(), req, keys.first().map(String::as_str)).await
             }
             (None, None) => {
                 stop_signal().await;
@@ -799,13 +819,50 @@ fn request(prompt: &str, chat: bool, system: Option<&str>, model: &str, sampling
     api::GenerateRequest { model: model.into(), prompt: Some(prompt), sampling: Some(sampling), request_id: String::new() }
 }
 
+/// Loads `file`'s API keys into `router` and re-reads them on SIGHUP (a file that no longer reads
+/// keeps the previous keys); returns the keys. Without a file the router stays open, and says so
+/// when `warn_open`.
+fn api_keys(router: &Router, file: Option<&std::path::Path>, warn_open: bool) -> anyhow::Result<Vec<String>> {
+    let Some(path) = file else {
+        if warn_open {
+            tracing::warn!("no --api-key-file: anyone who can reach the router's ports can use it");
+        }
+        return Ok(Vec::new());
+    };
+    let keys = tandem_router::read_key_file(path).map_err(anyhow::Error::msg)?;
+    router.set_api_keys(Some(keys.clone()));
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hup = signal(SignalKind::hangup()).context("listening for SIGHUP")?;
+        let (router, path) = (router.clone(), path.to_path_buf());
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                match tandem_router::read_key_file(&path) {
+                    Ok(keys) => {
+                        tracing::info!(keys = keys.len(), "API keys re-read");
+                        router.set_api_keys(Some(keys));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "keeping the previous API keys"),
+                }
+            }
+        });
+    }
+    Ok(keys)
+}
+
 /// Streams a completion to stdout as it arrives; the stats line goes to stderr.
-async fn stream_to_stdout(router: &str, req: api::GenerateRequest) -> anyhow::Result<()> {
+async fn stream_to_stdout(router: &str, req: api::GenerateRequest, api_key: Option<&str>) -> anyhow::Result<()> {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{router}"))
         .with_context(|| format!("router address {router:?}"))?
         .connect_timeout(Duration::from_secs(5));
     let channel = endpoint.connect().await.with_context(|| format!("connecting to the router at {router}"))?;
     let mut client = TandemClient::new(channel);
+    let mut req = tonic::Request::new(req);
+    if let Some(key) = api_key {
+        let value = format!("Bearer {key}").parse().map_err(|_| anyhow::anyhow!("the API key must be visible ASCII"))?;
+        req.metadata_mut().insert("authorization", value);
+    }
     let mut stream = client.generate(req).await.map_err(status_error)?.into_inner();
     let mut stdout = std::io::stdout();
     while let Some(msg) = stream.next().await {
@@ -839,5 +896,5 @@ pub(crate) fn run_client(args: ClientArgs) -> anyhow::Result<()> {
         &args.model,
         sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop.clone()),
     );
-    runtime()?.block_on(stream_to_stdout(&args.router, req))
+    runtime()?.block_on(stream_to_stdout(&args.router, req, args.api_key.as_deref()))
 }

@@ -10,6 +10,7 @@
 //! - Both front ends (gRPC here, the OpenAI-compatible HTTP API in [`http`]) go through the same
 //!   [`Router::open`]: one place resolves the model, tokenizes, validates and routes.
 
+mod auth;
 pub mod http;
 mod metrics;
 pub mod policy;
@@ -35,6 +36,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status};
 use tracing::Instrument;
 
+pub use auth::{MAX_KEY_LEN, read_key_file};
 pub use policy::Policy;
 pub(crate) use relay::Relay;
 
@@ -88,6 +90,7 @@ struct Inner {
     prefix: Mutex<policy::PrefixIndex>,
     rr: AtomicUsize,
     next_id: AtomicUsize,
+    keys: auth::ApiKeys,
 }
 
 impl std::fmt::Debug for Router {
@@ -141,8 +144,26 @@ impl Router {
                 prefix: Mutex::new(policy::PrefixIndex::new(1 << 20)),
                 rr: AtomicUsize::new(0),
                 next_id: AtomicUsize::new(1),
+                keys: auth::ApiKeys::default(),
             }),
         }
+    }
+
+    /// Requires one of `keys` (sent as `authorization: Bearer KEY`) on every request from now on;
+    /// `None` opens the router to anyone who can reach it.
+    pub fn set_api_keys(&self, keys: Option<Vec<String>>) {
+        self.inner.keys.set(keys);
+    }
+
+    /// Whether the router serves requests without an API key.
+    pub fn is_open(&self) -> bool {
+        self.inner.keys.is_open()
+    }
+
+    /// Refuses a gRPC call without a valid key (before anything else looks at it).
+    fn authorize(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let given = metadata.get("authorization").map(|v| v.as_bytes());
+        if self.inner.keys.allows(given) { Ok(()) } else { Err(Status::unauthenticated(auth::REFUSED)) }
     }
 
     /// The gRPC service.
@@ -392,6 +413,7 @@ impl Tandem for Router {
 
     async fn generate(&self, request: Request<api::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let (metadata, _, request) = request.into_parts();
+        self.authorize(&metadata)?;
         let mut relay = self.open(request, MaxTokens::EngineDefault, Caller::Grpc(&metadata)).await?;
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
@@ -413,6 +435,7 @@ impl Tandem for Router {
 
     async fn generate_unary(&self, request: Request<api::GenerateRequest>) -> Result<Response<api::GenerateUnaryResponse>, Status> {
         let (metadata, _, request) = request.into_parts();
+        self.authorize(&metadata)?;
         let mut relay = self.open(request, MaxTokens::EngineDefault, Caller::Grpc(&metadata)).await?;
         let mut out = api::GenerateUnaryResponse { request_id: relay.request_id().to_string(), ..Default::default() };
         while let Some(item) = relay.next().await {
@@ -428,7 +451,8 @@ impl Tandem for Router {
         Ok(Response::new(out))
     }
 
-    async fn list_models(&self, _request: Request<api::ListModelsRequest>) -> Result<Response<api::ListModelsResponse>, Status> {
+    async fn list_models(&self, request: Request<api::ListModelsRequest>) -> Result<Response<api::ListModelsResponse>, Status> {
+        self.authorize(request.metadata())?;
         let models = self
             .models()
             .await

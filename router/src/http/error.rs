@@ -110,7 +110,8 @@ impl ApiError {
                 ("service_unavailable_error", Some("service_unavailable"))
             }
             StatusCode::GATEWAY_TIMEOUT => ("timeout_error", Some("timeout")),
-            StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED => ("permission_error", None),
+            StatusCode::UNAUTHORIZED => ("invalid_request_error", Some("invalid_api_key")),
+            StatusCode::FORBIDDEN => ("permission_error", None),
             _ => ("server_error", None),
         };
         Detail {

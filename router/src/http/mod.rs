@@ -86,15 +86,29 @@ pub fn app(router: Router) -> axum::Router {
             next: AtomicU64::new(0),
         }),
     };
-    axum::Router::new()
+    // The API needs a key when the router has keys; health and metrics never do.
+    let api = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_key));
+    axum::Router::new()
+        .merge(api)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
         .with_state(state)
+}
+
+/// Answers 401 (OpenAI's `invalid_api_key`) unless the request carries a key the router accepts.
+async fn require_key(State(http): State<Http>, request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let given = request.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    if http.router.inner.keys.allows(given) {
+        next.run(request).await
+    } else {
+        ApiError::from(tonic::Status::unauthenticated(crate::auth::REFUSED)).into_response()
+    }
 }
 
 /// Serves the HTTP API on `listener` until `shutdown` resolves, then lets responses in flight finish.
