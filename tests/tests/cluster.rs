@@ -733,3 +733,27 @@ fn tandem_up_answers_grpc_health() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "tandem up: command line ok");
 }
+
+/// The drain is bounded: a decode node given `--drain-timeout 1` exits (cleanly) about a second after
+/// SIGTERM even though its request would run far longer; the client's stream ends unfinished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drain_ends_at_its_timeout() {
+    let mut cluster = start(1, 1, &["--drain-timeout", "1"]);
+    cluster.wait_health(1, 1).await;
+    let mut client = cluster.client().await;
+    let mut req = text_request("Write a very long story about a lighthouse keeper.", 4000);
+    req.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut stream = client.generate(req).await.expect("start").into_inner();
+    let mut tokens = stream.next().await.expect("a token").expect("ok").token_ids.len();
+    let decode = &mut cluster.decode[0];
+    let asked = Instant::now();
+    let exited_cleanly = tokio::task::block_in_place(|| decode.terminate(Duration::from_secs(20)));
+    let took = asked.elapsed();
+    assert!(exited_cleanly, "the decode node did not exit cleanly:\n{}", decode.stderr());
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(8), "exited {took:?} after SIGTERM");
+    assert!(decode.stderr_shows("the drain timed out", WAIT_LOG), "{}", decode.stderr());
+    while let Some(Ok(msg)) = stream.next().await {
+        tokens += msg.token_ids.len();
+    }
+    assert!(tokens < 4000, "the request finished ({tokens} tokens) although the drain was cut at 1 s");
+}
