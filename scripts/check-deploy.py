@@ -8,9 +8,9 @@ For every container that runs the tandem image it rebuilds the command line Kube
 env as the kubelet does; values from the downward API become sample values) and runs it:
 `router|prefill|decode|up ...` with `--check` appended (the binary validates every flag and exits),
 `model pull NAME` as it is (idempotent; the model cache is this machine's). It also checks that
-gRPC probes ask a port the container declares for a service tandem serves, that
-terminationGracePeriodSeconds covers the preStop sleep plus the --drain-timeout, and that every
-ServiceMonitor endpoint names a port of a Service it selects.
+gRPC probes ask a port the container declares for a service tandem serves, that a node
+asks for a GPU exactly when it runs on one and mounts /dev/shm, that terminationGracePeriodSeconds
+covers the preStop sleep plus the --drain-timeout, and that every ServiceMonitor endpoint names a port of a Service it selects.
 
 Exit status 0 when everything holds; otherwise one line per failure on stderr and status 1.
 """
@@ -129,6 +129,13 @@ def check_probes_and_grace(where, pod, c, args):
             fail(f"{where}: {kind} asks port {grpc['port']} but tandem listens on {listen}")
         if grpc.get("service", "") not in HEALTH_SERVICES:
             fail(f"{where}: {kind} asks for health service {grpc.get('service')!r}, which tandem does not serve")
+    if args[0] in ("prefill", "decode"):
+        device = flag(args, "--device") or "cpu"
+        gpus = int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+        if device.startswith("cuda") != (gpus > 0):
+            fail(f"{where}: --device {device} with nvidia.com/gpu {gpus}")
+        if not any(m["mountPath"] == "/dev/shm" for m in c.get("volumeMounts", [])):
+            fail(f"{where}: no /dev/shm mount")
     drain = int(flag(args, "--drain-timeout") or 30)
     sleep = 0
     pre = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
