@@ -10,7 +10,8 @@ env as the kubelet does; values from the downward API become sample values) and 
 `model pull NAME` as it is (idempotent; the model cache is this machine's). It also checks that
 gRPC probes ask a port the container declares for a service tandem serves, that a node
 asks for a GPU exactly when it runs on one and mounts /dev/shm, that terminationGracePeriodSeconds
-covers the preStop sleep plus the --drain-timeout, and that every ServiceMonitor endpoint names a port of a Service it selects.
+covers the preStop sleep plus the --drain-timeout, and that every ServiceMonitor endpoint names a
+port of a Service it selects.
 
 Exit status 0 when everything holds; otherwise one line per failure on stderr and status 1.
 """
