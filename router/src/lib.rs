@@ -11,6 +11,7 @@
 //!   [`Router::open`]: one place resolves the model, tokenizes, validates and routes.
 
 mod auth;
+mod grpc;
 pub mod http;
 mod metrics;
 pub mod policy;
@@ -28,7 +29,7 @@ use tandem_node::{NodeError, convert, tokenizer_files_from_map};
 use tandem_proto::node::v1 as node;
 use tandem_proto::node::v1::decode_client::DecodeClient;
 use tandem_proto::v1 as api;
-use tandem_proto::v1::tandem_server::{Tandem, TandemServer};
+use tandem_proto::v1::tandem_server::Tandem;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -37,6 +38,7 @@ use tonic::{Code, Request, Response, Status};
 use tracing::Instrument;
 
 pub use auth::{MAX_KEY_LEN, read_key_file};
+pub use grpc::Service;
 pub use policy::Policy;
 pub(crate) use relay::Relay;
 
@@ -63,6 +65,62 @@ impl Caller<'_> {
             Caller::Http(h) => tandem_node::trace::adopt_http(span, h),
         }
     }
+}
+
+/// Longest request id a client may choose (visible ASCII).
+pub const MAX_REQUEST_ID: usize = 128;
+
+/// Bytes of prompt text allowed per token of the model's context before tokenizing: a prompt longer
+/// than `max_model_len * PROMPT_BYTES_PER_TOKEN` cannot fit (tokens average ~4 bytes of text; this
+/// leaves room for text that tokenizes unusually densely), so it is refused without spending CPU on it.
+pub const PROMPT_BYTES_PER_TOKEN: usize = 32;
+
+/// A client-chosen request id: empty (the router names it), or 1 to [`MAX_REQUEST_ID`] visible ASCII
+/// characters (it is logged and forwarded to every node).
+fn check_request_id(id: &str) -> Result<(), NodeError> {
+    if id.len() > MAX_REQUEST_ID || !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(NodeError::InvalidArgument(format!(
+            "request_id must be at most {MAX_REQUEST_ID} visible ASCII characters (got {} bytes)",
+            id.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Chat roles the chat templates know.
+fn check_roles(req: &api::GenerateRequest) -> Result<(), NodeError> {
+    if let Some(api::generate_request::Prompt::Chat(chat)) = &req.prompt
+        && let Some(m) = chat.messages.iter().find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
+    {
+        return Err(NodeError::InvalidArgument(format!(
+            "chat role {:?} is not supported (system, user, assistant)",
+            convert::printable(&m.role)
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses prompt text that cannot fit the context, before tokenizing it.
+fn check_prompt_size(req: &api::GenerateRequest, max_model_len: usize) -> Result<(), NodeError> {
+    use api::generate_request::Prompt;
+    let (bytes, tokens) = match &req.prompt {
+        Some(Prompt::Text(t)) => (t.len(), 0),
+        Some(Prompt::Chat(c)) => (c.messages.iter().map(|m| m.content.len() + m.role.len()).sum(), 0),
+        Some(Prompt::TokenIds(ids)) => (0, ids.ids.len()),
+        None => (0, 0),
+    };
+    let limit = max_model_len.saturating_mul(PROMPT_BYTES_PER_TOKEN);
+    if bytes > limit {
+        return Err(NodeError::InvalidArgument(format!(
+            "the prompt is {bytes} bytes of text; this model's context of {max_model_len} tokens takes at most {limit}"
+        )));
+    }
+    if tokens > max_model_len {
+        return Err(NodeError::InvalidArgument(format!(
+            "the prompt is {tokens} tokens; this model's context is {max_model_len}"
+        )));
+    }
+    Ok(())
 }
 
 /// How long a node that failed a call is skipped.
@@ -166,9 +224,9 @@ impl Router {
         if self.inner.keys.allows(given) { Ok(()) } else { Err(Status::unauthenticated(auth::REFUSED)) }
     }
 
-    /// The gRPC service.
-    pub fn service(&self) -> TandemServer<Router> {
-        TandemServer::new(self.clone())
+    /// The gRPC service (a request that does not decode is INVALID_ARGUMENT).
+    pub fn service(&self) -> grpc::Service {
+        grpc::Service::new(self.clone())
     }
 
     fn live(&self) -> Vec<NodeInfo> {
@@ -266,10 +324,21 @@ impl Router {
     }
 
     async fn route(&self, req: api::GenerateRequest, max_tokens: MaxTokens) -> Result<(Routed, NodeInfo, Option<NodeInfo>), NodeError> {
+        check_request_id(&req.request_id)?;
+        check_roles(&req)?;
         let nodes = self.live();
         let model = self.resolve_model(&nodes, &req.model)?;
         let entry = self.model_entry(&model, &nodes).await?;
-        let prompt = Self::tokenize(&entry.tokenizer, &req)?;
+        check_prompt_size(&req, entry.max_model_len as usize)?;
+        // Tokenizing is CPU work (milliseconds for a long prompt): off the async threads.
+        let (tokenizer, req) = (Arc::clone(&entry.tokenizer), Arc::new(req));
+        let prompt = {
+            let req = Arc::clone(&req);
+            tokio::task::spawn_blocking(move || Self::tokenize(&tokenizer, &req))
+                .await
+                .map_err(|e| NodeError::Internal(format!("tokenizing failed: {e}")))??
+        };
+        let req = Arc::unwrap_or_clone(req);
         if prompt.is_empty() {
             return Err(NodeError::Engine(tandem_engine::Error::EmptyPrompt));
         }

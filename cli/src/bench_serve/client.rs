@@ -9,7 +9,8 @@
 //! - Times are taken where bytes arrive: TTFT at the first message (gRPC) or SSE chunk (HTTP) that
 //!   carries a token, each inter-token gap between consecutive ones.
 //! - The HTTP client is hyper's HTTP/1 connection (plain TCP, no TLS) with Nagle off; connections are
-//!   kept alive and reused, one request at a time each, as a pooled client would.
+//!   kept alive and reused, one request at a time each, as a pooled client would. gRPC requests share
+//!   a few HTTP/2 connections.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,11 +28,15 @@ use tonic::transport::Channel;
 use super::stats::RequestRecord;
 use super::workload::RequestSpec;
 
+/// gRPC connections a benchmark opens (hyper's HTTP/2 server allows 200 streams per connection).
+const GRPC_CONNECTIONS: usize = 8;
+
 /// Where requests go.
 #[derive(Clone)]
 pub(crate) enum Target {
-    /// A router's gRPC API.
-    Grpc { channel: Channel, model: String },
+    /// A router's gRPC API, over a few HTTP/2 connections (request `i` on connection `i % n`), so
+    /// a server's per-connection stream limit does not queue requests on the client.
+    Grpc { channels: Arc<Vec<Channel>>, model: String },
     /// A router's OpenAI HTTP API.
     Http(Arc<HttpTarget>),
 }
@@ -53,7 +58,8 @@ impl Target {
             .with_context(|| format!("--router {addr:?}"))?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true);
-        Ok(Target::Grpc { channel: endpoint.connect_lazy(), model: model.to_string() })
+        let channels = (0..GRPC_CONNECTIONS).map(|_| endpoint.connect_lazy()).collect();
+        Ok(Target::Grpc { channels: Arc::new(channels), model: model.to_string() })
     }
 
     /// An HTTP target at `base_url` (`http://HOST:PORT[/PREFIX]`, with or without a trailing `/v1`).
@@ -95,7 +101,7 @@ impl Target {
         let mut clock = Clock { start, last: None };
         let outcome = tokio::time::timeout(limit, async {
             match self {
-                Target::Grpc { channel, model } => grpc(channel.clone(), model, spec, &mut rec, &mut clock).await,
+                Target::Grpc { channels, model } => grpc(channels[index % channels.len()].clone(), model, spec, &mut rec, &mut clock).await,
                 Target::Http(t) => t.send(spec, &mut rec, &mut clock).await,
             }
         })

@@ -186,8 +186,9 @@ async fn chat_completions(State(http): State<Http>, headers: HeaderMap, body: Bo
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Longest `X-Request-Id` taken from a client.
-pub const MAX_REQUEST_ID: usize = 128;
+/// Longest `X-Request-Id` taken from a client (the nodes know choice `i` as `ID-i`, which must stay
+/// within the router's [`crate::MAX_REQUEST_ID`]).
+pub const MAX_REQUEST_ID: usize = crate::MAX_REQUEST_ID - 8;
 
 /// The client's `X-Request-Id`, if it sent one: visible ASCII, at most [`MAX_REQUEST_ID`] bytes.
 fn client_request_id(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
