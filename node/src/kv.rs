@@ -2,10 +2,13 @@
 //! and the registration of the cache's memory.
 //!
 //! Invariant (the registration's safety argument): the engine's per-layer buffers never move or shrink
-//! after construction, the engine outlives every user of the registered memory (the engine thread keeps
-//! the engine until the memory's last other reference is gone), and the engine touches a block being
-//! transferred only after the transfer released it (the scheduler holds prefill blocks until `release`,
-//! and decode blocks wait for `kv_ready`).
+//! after construction and stay allocated while the registered memory lives (the CPU cache's store is the
+//! memory's owner; for the CUDA host mirror and device pool the engine thread keeps the engine until the
+//! memory's last other reference is gone); the engine writes a block being transferred only after the
+//! transfer released it, and reads a block being received only then (the scheduler holds prefill blocks
+//! until `release`, and decode blocks wait for `kv_ready`); and the engine holds references only to the
+//! blocks it uses, never to a whole layer (the CPU cache hands out single blocks of `UnsafeCell`s), so a
+//! transfer's access to other blocks of a layer never aliases one of them.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -92,11 +95,16 @@ pub fn register_kv(engine: &mut Engine, model_id: &str, device: bool) -> Result<
     if want != geometry.dtype() {
         return Err(NodeError::Internal(format!("the engine's transfer memory is {:?} but its geometry says {:?}", mem.dtype, geometry.dtype())));
     }
-    // SAFETY: each base points to num_blocks * block_bytes bytes of host memory in the paged layout of
-    // `geometry` (the CPU engine's KV cache, or the CUDA engine's host mirror of its pool), allocated once
-    // and valid for the engine's lifetime, which the engine thread extends past the memory's last other
-    // user; blocks under transfer are held by the scheduler (module invariant).
-    let memory = unsafe { KvMemory::from_raw(geometry, mem.num_blocks as u32, MemoryKind::Host, mem.layer_bases, Box::new(()))? };
+    let owner: Box<dyn std::any::Any + Send + Sync> = match mem.keep_alive {
+        Some(store) => Box::new(store),
+        None => Box::new(()),
+    };
+    // SAFETY: each base points to num_blocks * block_bytes writable bytes of host memory in the paged
+    // layout of `geometry` (the CPU engine's KV cache, or the CUDA engine's host mirror of its pool),
+    // allocated once; the CPU cache's buffers live as long as `owner` (its store), the mirror for the
+    // engine's lifetime, which the engine thread extends past the memory's last other user. Blocks under
+    // transfer are held by the scheduler, and the engine references single blocks only (module invariant).
+    let memory = unsafe { KvMemory::from_raw(geometry, mem.num_blocks as u32, MemoryKind::Host, mem.layer_bases, owner)? };
     Ok(memory)
 }
 

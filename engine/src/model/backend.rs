@@ -15,8 +15,10 @@
 //! one of the host mirror and the device pool, fixed by the first registration (see
 //! [`CudaModel::device_transfer_memory`]).
 
+use std::any::Any;
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 use std::str::FromStr;
 
 pub(crate) use super::cuda::SampleTicket;
@@ -153,6 +155,11 @@ pub struct TransferMemory {
     pub layer_bases: Vec<*mut u8>,
     /// Where the buffers live.
     pub place: TransferPlace,
+    /// Keeps host buffers allocated for as long as it is held, whatever happens to the engine
+    /// (give it to whoever keeps using `layer_bases`): the CPU cache's store
+    /// ([`KvCache::keep_alive`]). `None` where the engine itself must outlive the users (the CUDA
+    /// host mirror and device pool) or there is nothing to keep.
+    pub keep_alive: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 /// How the CUDA backend sizes itself.
@@ -295,7 +302,13 @@ impl Backend {
     pub(crate) fn transfer_memory(&mut self) -> TransferMemory {
         match self {
             Backend::Cpu { kv, .. } => {
-                TransferMemory { dtype: KvDType::F32, num_blocks: kv.num_blocks(), layer_bases: kv.layer_base_ptrs(), place: TransferPlace::Host }
+                TransferMemory {
+                    dtype: KvDType::F32,
+                    num_blocks: kv.num_blocks(),
+                    layer_bases: kv.layer_base_ptrs(),
+                    place: TransferPlace::Host,
+                    keep_alive: Some(kv.keep_alive()),
+                }
             }
             Backend::Cuda(m) => match m.mirror() {
                 Ok(mirror) => TransferMemory {
@@ -303,10 +316,11 @@ impl Backend {
                     num_blocks: mirror.num_blocks(),
                     layer_bases: mirror.layer_base_ptrs(),
                     place: TransferPlace::Host,
+                    keep_alive: None,
                 },
                 Err(e) => {
                     tracing::error!(error = %e, "no host transfer memory");
-                    TransferMemory { dtype: KvDType::Bf16, num_blocks: 0, layer_bases: Vec::new(), place: TransferPlace::Host }
+                    TransferMemory { dtype: KvDType::Bf16, num_blocks: 0, layer_bases: Vec::new(), place: TransferPlace::Host, keep_alive: None }
                 }
             },
         }
@@ -372,6 +386,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "loads weights through a memory map")]
     fn the_cpu_backend_transfers_through_host_memory_only() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/gqa-tied");
         let cfg = ModelConfig::from_model_dir(&dir).unwrap();
@@ -380,7 +395,8 @@ mod tests {
         assert!(matches!(&err, Error::Device(m) if m.contains("CUDA backend")), "{err}");
         let mem = backend.transfer_memory();
         assert_eq!((mem.dtype, mem.num_blocks, mem.place), (KvDType::F32, 8, TransferPlace::Host));
-        assert_eq!(mem.layer_bases, backend.host_kv_mut().unwrap().layer_base_ptrs());
+        assert_eq!(mem.layer_bases, backend.host_kv().unwrap().layer_base_ptrs());
+        assert!(mem.keep_alive.is_some(), "the CPU cache's store outlives the backend while a transfer holds it");
         backend.fence_remote_writes().unwrap();
         backend.receive_blocks(&[0, 7]).unwrap();
     }

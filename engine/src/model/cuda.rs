@@ -46,6 +46,7 @@ use tandem_kernels::cuda::{
 
 use super::BatchChunk;
 use super::backend::{CudaSizing, DeviceSample, DeviceSampled, KvDType, TransferMemory, TransferPlace};
+use super::kv_store::KvStore;
 use crate::config::ModelConfig;
 use crate::sched::PENDING_TOKEN;
 use crate::weights::WeightStore;
@@ -431,7 +432,7 @@ impl CudaModel {
             self.copy_stream.wait(ev).map_err(dev)?;
             for &(first, len) in &runs {
                 let range = first as usize * n..(first + len) as usize * n;
-                self.copy_stream.memcpy_dtoh(&self.kv.array(l).slice(range.clone()), mirror.range_mut(l, range)).map_err(dev)?;
+                self.copy_stream.memcpy_dtoh(&self.kv.array(l).slice(range), mirror.run_mut(l, first, len as usize)).map_err(dev)?;
             }
             self.copy_stream.synchronize().map_err(dev)?;
             on_layer(l);
@@ -472,7 +473,7 @@ impl CudaModel {
             let mut layer = self.kv.array_mut(l);
             for &(first, len) in &runs {
                 let range = first as usize * n..(first + len) as usize * n;
-                stream.memcpy_htod(mirror.range(l, range.clone()), &mut layer.slice_mut(range)).map_err(dev)?;
+                stream.memcpy_htod(mirror.run(l, first, len as usize), &mut layer.slice_mut(range)).map_err(dev)?;
             }
         }
         stream.synchronize().map_err(dev)?;
@@ -484,10 +485,9 @@ impl CudaModel {
     /// [`Self::device_transfer_memory`]), which never mirrors the pool.
     pub fn mirror(&mut self) -> Result<&mut HostKvMirror> {
         if let Transfers::Unregistered = self.transfers {
-            let (layers, elems) = (self.cfg.num_layers, self.num_blocks * self.layout.block_elems());
+            let layers = self.cfg.num_layers;
             self.transfers = Transfers::HostMirror(HostKvMirror {
-                layers: (0..layers).map(|_| vec![0u16; elems]).collect(),
-                num_blocks: self.num_blocks,
+                store: KvStore::new(layers, self.num_blocks, self.layout.block_elems()),
                 block_elems: self.layout.block_elems(),
             });
         }
@@ -518,7 +518,7 @@ impl CudaModel {
         let place = TransferPlace::Device { ordinal: self.gpu.ordinal(), allocation: alloc.ptr(), allocation_bytes: alloc.bytes(), ipc_handle };
         let layer_bases = (0..self.kv.count()).map(|l| std::ptr::without_provenance_mut::<u8>(self.kv.array_ptr(l) as usize)).collect();
         self.transfers = Transfers::Device;
-        Ok(TransferMemory { dtype: KvDType::Bf16, num_blocks: self.num_blocks, layer_bases, place })
+        Ok(TransferMemory { dtype: KvDType::Bf16, num_blocks: self.num_blocks, layer_bases, place, keep_alive: None })
     }
 
     /// Whether KV transfers use the pool in device memory ([`Self::device_transfer_memory`]).
@@ -787,19 +787,20 @@ fn block_runs(blocks: &[u32]) -> Vec<(u32, u32)> {
 /// ([`CudaModel::forward_staged`]); a decode node's transfer writes received blocks into it and
 /// the engine uploads them before the request runs ([`CudaModel::upload_from_mirror`]). The
 /// buffers never move once allocated. A model in device-transfer mode has none
-/// ([`CudaModel::device_transfer_memory`]).
+/// ([`CudaModel::device_transfer_memory`]). Like the CPU cache it is a [`KvStore`] of cells that
+/// the engine reaches only a run of blocks at a time, so a transfer touching other blocks of a
+/// layer never aliases the engine's references (see `kv_store.rs`).
 pub struct HostKvMirror {
-    /// bf16 bit patterns: `vec![0u16; n]` is a calloc, so untouched blocks cost no memory (the
+    /// bf16 bit patterns: zeroed by the allocator, so untouched blocks cost no memory (the
     /// mirror of a large pool is mostly never written).
-    layers: Vec<Vec<u16>>,
-    num_blocks: usize,
+    store: KvStore<u16>,
     block_elems: usize,
 }
 
 impl HostKvMirror {
     /// Blocks in the pool.
     pub fn num_blocks(&self) -> usize {
-        self.num_blocks
+        self.store.num_blocks()
     }
 
     /// Bytes of one block of one layer.
@@ -808,29 +809,30 @@ impl HostKvMirror {
     }
 
     /// The base address of every layer's buffer, in layer order (the same rules as
-    /// [`super::KvCache::layer_base_ptrs`]: touch only blocks the scheduler holds for you).
+    /// [`super::KvCache::layer_base_ptrs`]: touch only blocks the scheduler holds for you). Valid
+    /// while the model lives.
     pub fn layer_base_ptrs(&mut self) -> Vec<*mut u8> {
-        self.layers.iter_mut().map(|l| l.as_mut_ptr().cast::<u8>()).collect()
+        self.store.base_ptrs()
     }
 
     /// One block of one layer (bf16).
     pub fn block(&self, layer: usize, block: u32) -> &[bf16] {
-        let n = self.block_elems;
-        bytemuck::cast_slice(&self.layers[layer][block as usize * n..(block as usize + 1) * n])
+        self.run(layer, block, 1)
     }
 
     /// One block of one layer, mutable.
     pub fn block_mut(&mut self, layer: usize, block: u32) -> &mut [bf16] {
-        let n = self.block_elems;
-        bytemuck::cast_slice_mut(&mut self.layers[layer][block as usize * n..(block as usize + 1) * n])
+        self.run_mut(layer, block, 1)
     }
 
-    fn range(&self, layer: usize, range: std::ops::Range<usize>) -> &[bf16] {
-        bytemuck::cast_slice(&self.layers[layer][range])
+    /// `count` adjacent blocks of one layer from `first`.
+    fn run(&self, layer: usize, first: u32, count: usize) -> &[bf16] {
+        bytemuck::cast_slice(self.store.layer(layer).blocks(first, count))
     }
 
-    fn range_mut(&mut self, layer: usize, range: std::ops::Range<usize>) -> &mut [bf16] {
-        bytemuck::cast_slice_mut(&mut self.layers[layer][range])
+    /// `count` adjacent blocks of one layer from `first`, mutable.
+    fn run_mut(&mut self, layer: usize, first: u32, count: usize) -> &mut [bf16] {
+        bytemuck::cast_slice_mut(self.store.layer_mut(layer).into_blocks_mut(first, count))
     }
 }
 

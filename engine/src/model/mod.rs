@@ -14,10 +14,11 @@
 pub(crate) mod backend;
 mod cuda;
 mod kv_cache;
+mod kv_store;
 
 pub use backend::{CudaSizing, Device, KvDType, TransferMemory, TransferPlace};
 pub use cuda::{CudaModel, HostKvMirror};
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, LayerMut, LayerRef};
 
 use std::path::Path;
 
@@ -186,15 +187,17 @@ impl Model {
             }
             cpu::rope_in_place(&mut q, &positions, nh, &self.inv_freq);
             cpu::rope_in_place(&mut k, &positions, nkv, &self.inv_freq);
-            let cache = kv.layer_mut(l);
+            // The kernels reach the cache block by block, only through the chunks' block tables
+            // (checked against the pool above): see `KvCache` for why that matters to transfers.
+            let mut cache = kv.layer_mut(l);
             let mut offset = 0;
             for c in chunks {
                 let n = c.tokens.len() * nkv * hd;
-                cpu::write_kv(cache, &layout, c.block_table, c.start_pos, &k[offset..offset + n], &v[offset..offset + n]);
+                cpu::write_kv_blocks(&mut cache, &layout, c.block_table, c.start_pos, &k[offset..offset + n], &v[offset..offset + n]);
                 offset += n;
             }
             on_layer(l, kv);
-            cpu::paged_attention(&q, &attn_chunks, kv.layer(l), &layout, nh, &mut attn);
+            cpu::paged_attention_blocks(&q, &attn_chunks, &kv.layer(l), &layout, nh, &mut attn);
             cpu::matmul_t(&attn, &layer.o, &mut proj, total, nh * hd, h);
             cpu::add_in_place(&mut x, &proj);
             cpu::rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps, &mut normed);

@@ -8,7 +8,7 @@
 
 use rayon::prelude::*;
 
-use super::paged::PagedLayout;
+use super::paged::{LayerBlocks, PagedLayout, SliceBlocks};
 use super::simd::{self, Isa};
 
 /// One sequence's slice of the batch.
@@ -25,8 +25,9 @@ pub struct AttentionChunk<'a> {
 }
 
 /// Computes `out` = softmax(q·kᵀ/√d)·v for every query token. `q` and `out` are
-/// `[tokens, num_heads, head_dim]`; K/V come from `layer` through each chunk's block table (their
-/// entries for the chunk's own tokens must already be written).
+/// `[tokens, num_heads, head_dim]`; K/V come from `layer` (one slice holding the whole layer)
+/// through each chunk's block table (their entries for the chunk's own tokens must already be
+/// written).
 pub fn paged_attention(
     q: &[f32],
     chunks: &[AttentionChunk<'_>],
@@ -35,14 +36,27 @@ pub fn paged_attention(
     num_heads: usize,
     out: &mut [f32],
 ) {
+    paged_attention_blocks(q, chunks, &SliceBlocks::new(layer, layout), layout, num_heads, out);
+}
+
+/// [`paged_attention`] over a layer handed out block by block: reads only the blocks the chunks'
+/// block tables name, up to each chunk's last position.
+pub fn paged_attention_blocks<L: LayerBlocks>(
+    q: &[f32],
+    chunks: &[AttentionChunk<'_>],
+    layer: &L,
+    layout: &PagedLayout,
+    num_heads: usize,
+    out: &mut [f32],
+) {
     paged_attention_with(Isa::detect(), &AttentionInputs { q, chunks, layer, layout, num_heads }, out);
 }
 
 /// The read-only inputs of [`paged_attention`].
-struct AttentionInputs<'a> {
+struct AttentionInputs<'a, L> {
     q: &'a [f32],
     chunks: &'a [AttentionChunk<'a>],
-    layer: &'a [f32],
+    layer: &'a L,
     layout: &'a PagedLayout,
     num_heads: usize,
 }
@@ -53,7 +67,7 @@ struct AttentionInputs<'a> {
 /// heads that share the KV head, so each block's keys and values are fetched once for all of
 /// them. It walks its sequence's blocks in order; the keys (values) of one block and head are one
 /// contiguous run.
-fn paged_attention_with(isa: Isa, inputs: &AttentionInputs<'_>, out: &mut [f32]) {
+fn paged_attention_with<L: LayerBlocks>(isa: Isa, inputs: &AttentionInputs<'_, L>, out: &mut [f32]) {
     let &AttentionInputs { q, chunks, layer, layout, num_heads } = inputs;
     let hd = layout.head_dim;
     let bs = layout.block_size;
@@ -62,6 +76,9 @@ fn paged_attention_with(isa: Isa, inputs: &AttentionInputs<'_>, out: &mut [f32])
     assert!(hd > 0 && q.len().is_multiple_of(row), "q must be [tokens, num_heads, head_dim]");
     assert!(num_heads.is_multiple_of(layout.num_kv_heads), "heads must be a multiple of kv heads");
     let group = num_heads / layout.num_kv_heads;
+    // Offsets of one KV head's keys and values inside a block (each head's slots are contiguous).
+    let k_in_block = |kvh: usize| layout.k_offset(0, kvh, 0);
+    let v_in_block = |kvh: usize| layout.v_offset(0, kvh, 0);
     let scale = 1.0 / (hd as f32).sqrt();
     // Which chunk each token belongs to.
     let mut owner = vec![usize::MAX; q.len() / row];
@@ -85,13 +102,12 @@ fn paged_attention_with(isa: Isa, inputs: &AttentionInputs<'_>, out: &mut [f32])
             // Blocks are scattered: fetch the next block's keys and this block's values (used
             // after the softmax) into L2 while this block's scores are computed.
             if b + 1 < blocks {
-                let next = layout.k_offset(chunk.block_table[b + 1], kvh, 0);
-                simd::prefetch_l2(&layer[next..next + bs.min(ctx - j0 - n) * hd]);
+                let next = layer.block(chunk.block_table[b + 1]);
+                simd::prefetch_l2(&next[k_in_block(kvh)..][..bs.min(ctx - j0 - n) * hd]);
             }
-            let vo = layout.v_offset(chunk.block_table[b], kvh, 0);
-            simd::prefetch_l2(&layer[vo..vo + n * hd]);
-            let ko = layout.k_offset(chunk.block_table[b], kvh, 0);
-            let keys = &layer[ko..ko + n * hd];
+            let block = layer.block(chunk.block_table[b]);
+            simd::prefetch_l2(&block[v_in_block(kvh)..][..n * hd]);
+            let keys = &block[k_in_block(kvh)..][..n * hd];
             for (qh, s_row) in qs.chunks_exact(hd).zip(scores.chunks_exact_mut(ctx)) {
                 simd::dots(isa, qh, keys, scale, &mut s_row[j0..j0 + n]);
             }
@@ -112,8 +128,7 @@ fn paged_attention_with(isa: Isa, inputs: &AttentionInputs<'_>, out: &mut [f32])
         o.fill(0.0);
         for (b, j0) in (0..ctx).step_by(bs).enumerate() {
             let n = bs.min(ctx - j0);
-            let vo = layout.v_offset(chunk.block_table[b], kvh, 0);
-            let values = &layer[vo..vo + n * hd];
+            let values = &layer.block(chunk.block_table[b])[v_in_block(kvh)..][..n * hd];
             for (oh, s_row) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(ctx)) {
                 simd::weighted_rows(isa, &s_row[j0..j0 + n], values, oh);
             }
@@ -205,7 +220,8 @@ mod tests {
             chunks.push(AttentionChunk { first_token: all_q.len() / (heads * hd), len, start_pos: start, block_table: &tables[s] });
             all_q.extend(q);
         }
-        let inputs = AttentionInputs { q: &all_q, chunks: &chunks, layer: &layer, layout: &layout, num_heads: heads };
+        let blocks = SliceBlocks::new(&layer, &layout);
+        let inputs = AttentionInputs { q: &all_q, chunks: &chunks, layer: &blocks, layout: &layout, num_heads: heads };
         for isa in Isa::all_available() {
             let mut out = vec![f32::NAN; all_q.len()];
             paged_attention_with(isa, &inputs, &mut out);

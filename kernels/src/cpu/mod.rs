@@ -16,8 +16,8 @@ mod simd;
 #[cfg(target_arch = "x86_64")]
 mod skinny;
 
-pub use attention::{AttentionChunk, paged_attention};
+pub use attention::{AttentionChunk, paged_attention, paged_attention_blocks};
 pub use elementwise::{add_in_place, rms_norm, rope_inv_freq, rope_in_place, silu_mul, RopeScaling};
 pub use kv_checksum::{fmix64, kv_checksum, kv_checksum_sum};
 pub use matmul::{matmul_t, matmul_t_gemm, matmul_t_small_m};
-pub use paged::{PagedLayout, write_kv};
+pub use paged::{LayerBlocks, LayerBlocksMut, PagedLayout, SliceBlocks, SliceBlocksMut, write_kv, write_kv_blocks};
