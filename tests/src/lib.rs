@@ -8,6 +8,7 @@ pub mod etcd;
 pub mod cluster;
 pub mod http;
 pub mod otlp;
+pub mod netns;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

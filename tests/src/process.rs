@@ -25,15 +25,24 @@ impl Proc {
 
     /// [`Proc::start`] with extra environment variables.
     pub fn start_with_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
-        let mut child = Command::new(tandem_bin())
-            .args(args)
-            .env("TANDEM_LOG", "info")
-            .envs(env.iter().copied())
+        let mut command = Command::new(tandem_bin());
+        command.args(args).envs(env.iter().copied());
+        Proc::spawn(name, command)
+    }
+
+    /// Starts `command` as it is (any program: e.g. `tandem` prefixed by `ip netns exec NS`), with
+    /// `TANDEM_LOG=info` unless the command sets it.
+    pub fn spawn(name: &str, mut command: Command) -> Proc {
+        if !command.get_envs().any(|(k, _)| k == "TANDEM_LOG") {
+            command.env("TANDEM_LOG", "info");
+        }
+        let args: Vec<_> = command.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("spawning tandem {args:?}: {e}"));
+            .unwrap_or_else(|e| panic!("spawning {name} ({:?} {args:?}): {e}", command.get_program()));
         let (tx, lines) = mpsc::channel();
         let stdout = child.stdout.take().expect("piped stdout");
         std::thread::spawn(move || {
