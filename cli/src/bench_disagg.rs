@@ -496,6 +496,8 @@ fn cluster(
         engine,
         kv_spec,
         kv_config: ConnectorConfig::default(),
+        // The benchmark measures every client it sends: nothing is shed.
+        limits: tandem_node::admission::Limits { max_waiting: usize::MAX },
     };
     let opts = EmbeddedOptions {
         setup,
@@ -503,6 +505,7 @@ fn cluster(
         policy: Policy::LeastLoad,
         local_prefill_below: 0,
         colocated: false,
+        router_limits: tandem_router::Limits { max_waiting: usize::MAX, max_queue_time: None },
     };
     let rt = crate::cluster::runtime()?;
     let secs = limit.as_secs();

@@ -34,6 +34,7 @@ use crate::generate::EngineArgs;
 
 mod check;
 mod health;
+mod overload;
 
 use health::Health;
 use tonic_health::ServingStatus;
@@ -91,6 +92,8 @@ pub(crate) struct RouterArgs {
     /// How to pick a decode node: least-load, prefix-aware or round-robin.
     #[arg(long, default_value = "least-load")]
     policy: Policy,
+    #[command(flatten)]
+    limits: overload::RouterLimitArgs,
     /// Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /// /health) on this address (port 0 picks one).
     #[arg(long)]
@@ -141,6 +144,8 @@ pub(crate) struct NodeArgs {
     metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    limits: overload::NodeLimitArgs,
     #[command(flatten)]
     drain: DrainArgs,
     /// Only check the command line, then exit (no model is pulled or loaded, nothing reached or bound).
@@ -194,6 +199,8 @@ pub(crate) struct UpArgs {
     /// Routing policy.
     #[arg(long, default_value = "least-load")]
     policy: Policy,
+    #[command(flatten)]
+    limits: overload::RouterLimitArgs,
     /// Prefill on the decode node when fewer than this many prompt tokens are uncached (0: always
     /// transfer).
     #[arg(long, default_value_t = 0)]
@@ -323,6 +330,7 @@ fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
         engine,
         kv_spec,
         kv_config: ConnectorConfig::default(),
+        limits: args.limits.limits(),
     })
 }
 
@@ -336,11 +344,15 @@ fn publish_load(core: Arc<NodeCore>, registration: SharedRegistration) {
             let Ok(load) = core.engine.load().await else { return };
             let guard = registration.lock().unwrap_or_else(|p| p.into_inner());
             let Some(reg) = guard.as_ref() else { return };
+            // `waiting` is what the node's --max-waiting-requests bounds (accepted, not started), so a
+            // router can tell a full node from its load.
+            let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
             reg.update_load(Load {
-                waiting: load.waiting as u32,
-                running: load.running as u32,
-                free_blocks: load.free_blocks as u32,
-                total_blocks: load.total_blocks as u32,
+                waiting: n(core.admission.waiting().max(load.waiting)),
+                running: n(load.running),
+                free_blocks: n(load.free_blocks),
+                total_blocks: n(load.total_blocks),
+                max_waiting: n(core.admission.limit()),
             });
         }
     });
@@ -353,7 +365,13 @@ fn node_info(id: String, role: NodeRole, core: &NodeCore, grpc_addr: String) -> 
         model: core.model_name.clone(),
         grpc_addr,
         kv_endpoint: core.connector.endpoint(),
-        load: Load { waiting: 0, running: 0, free_blocks: core.num_blocks as u32, total_blocks: core.num_blocks as u32 },
+        load: Load {
+            waiting: 0,
+            running: 0,
+            free_blocks: core.num_blocks as u32,
+            total_blocks: core.num_blocks as u32,
+            max_waiting: u32::try_from(core.admission.limit()).unwrap_or(u32::MAX),
+        },
     }
 }
 
@@ -582,6 +600,7 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
         let listener = bind(args.listen).await?;
         let http = bind_optional(args.http_listen).await?;
         let router = Router::new(nodes.clone(), args.policy);
+        router.set_limits(args.limits.limits());
         api_keys(&router, args.api_key_file.as_deref(), true)?;
         let health = router_health(&router, nodes).await;
         println!("tandem router serving on {}", listener.local_addr()?);
@@ -650,6 +669,7 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         engine,
         kv_spec: args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu),
         kv_config: ConnectorConfig::default(),
+        limits: tandem_node::admission::Limits::default(),
     };
     runtime()?.block_on(async {
         // A one-shot --prompt run answers on stdout only; otherwise the HTTP port is taken before the
@@ -661,6 +681,7 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
             policy: args.policy,
             local_prefill_below: args.local_prefill_below,
             colocated: args.colocated,
+            router_limits: args.limits.limits(),
         };
         let cluster = EmbeddedCluster::start(opts).await?;
         let keys = api_keys(&cluster.router, args.api_key_file.as_deref(), args.prompt.is_none())?;
@@ -697,6 +718,8 @@ pub(crate) struct EmbeddedOptions {
     pub(crate) local_prefill_below: usize,
     /// No prefill node: the decode node prefills every prompt with the whole memory budget.
     pub(crate) colocated: bool,
+    /// The router's overload limits.
+    pub(crate) router_limits: tandem_router::Limits,
 }
 
 /// What one embedded node reports about itself.
@@ -770,6 +793,7 @@ impl EmbeddedCluster {
         let listener = bind(opts.listen).await?;
         let addr = listener.local_addr()?;
         let router = Router::new(watched.clone(), opts.policy);
+        router.set_limits(opts.router_limits);
         let health = router_health(&router, watched).await;
         let stop = {
             let health = health.clone();

@@ -8,6 +8,11 @@
 //!   (finished, client gone, prefill failure) the transfer is cancelled and awaited before the engine
 //!   frees the blocks, so no backend writes into reused blocks.
 //! - A client that goes away aborts the request within one engine step.
+//! - At most `--max-waiting-requests` requests are accepted and without a first token; one more is
+//!   refused at once with RESOURCE_EXHAUSTED, holding nothing. A request whose `grpc-timeout` passes
+//!   ends with DEADLINE_EXCEEDED and is cleaned up like a cancelled one (transfer cancelled, blocks
+//!   freed, the prefill call dropped). A remote allocation that does not fit the pool now waits for
+//!   blocks instead of failing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,7 +21,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::sched::{RequestId, Role};
 use tandem_engine::sampling::SamplingParams;
 use tandem_kv_transfer::{Fabric, RecvHandle};
-use tandem_node::{Event, NodeCore, NodeError, NodeSetup, Peers, convert};
+use tandem_node::{Event, NodeCore, NodeError, NodeSetup, Peers, admission, convert};
 use tandem_proto::node::v1 as node;
 use tandem_proto::node::v1::decode_server::{Decode, DecodeServer};
 use tandem_proto::node::v1::prefill_client::PrefillClient;
@@ -54,10 +59,13 @@ pub struct DecodeNode {
 type Tx = mpsc::Sender<Result<api::GenerateResponse, Status>>;
 
 /// Where a request stands, owned by its task so cleanup can run whatever happened.
-#[derive(Default)]
 struct State {
     engine_id: Option<RequestId>,
     recv: Option<RecvHandle>,
+    /// Its place among the requests without a first token.
+    waiting: admission::Waiting,
+    /// When the caller's `grpc-timeout` passes.
+    deadline: Option<tokio::time::Instant>,
 }
 
 impl DecodeNode {
@@ -122,7 +130,9 @@ impl DecodeNode {
                     tracing::warn!(request_id = %req.request_id, error = %e, "remote prefill failed; prefilling locally");
                     self.cleanup(state).await;
                     timings.push_str(" remote_prefill=failed");
-                    tandem_node::metrics::node().local_prefills.inc(&["remote_failed"]);
+                    // A prefill node with its queue full sheds the prompt to this node (degraded, not failed).
+                    let busy = matches!(&e, NodeError::Peer(s) if s.code() == tonic::Code::ResourceExhausted);
+                    tandem_node::metrics::node().local_prefills.inc(&[if busy { "prefill_busy" } else { "remote_failed" }]);
                     None
                 }
             }
@@ -155,6 +165,7 @@ impl DecodeNode {
                 Event::Output(out) => {
                     completion_tokens += out.token_ids.len() as u32;
                     if first_token_at.is_none() {
+                        state.waiting.started();
                         phase.end();
                         tracing::info!(ttft_ms = tandem_node::ms(t0.elapsed()), "first token");
                         generate = tracing::info_span!("generate", completion_tokens = tracing::field::Empty);
@@ -221,7 +232,8 @@ impl DecodeNode {
             skip_blocks: skip as u32,
         };
         let mut call = Request::new(call);
-        call.set_timeout(self.opts.remote_prefill_timeout);
+        let left = state.deadline.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
+        call.set_timeout(left.map_or(self.opts.remote_prefill_timeout, |l| l.min(self.opts.remote_prefill_timeout)));
         tandem_node::trace::inject(&tracing::Span::current(), call.metadata_mut());
         let kv_span = tracing::info_span!(
             "kv_transfer",
@@ -282,14 +294,19 @@ impl DecodeNode {
         }
     }
 
-    async fn serve(self, req: node::DecodeRequest, params: SamplingParams, tx: Tx) {
-        let mut state = State::default();
+    async fn serve(self, req: node::DecodeRequest, params: SamplingParams, mut state: State, tx: Tx) {
+        let deadline = state.deadline;
         let result = tokio::select! {
             r = self.drive(&req, params, &mut state, &tx) => r,
             _ = tx.closed() => Err(NodeError::Internal("client went away".into())),
+            _ = admission::until(deadline) => {
+                tandem_node::metrics::node().rejected.inc(&[tandem_node::metrics::DEADLINE]);
+                Err(NodeError::DeadlineExceeded("the request's deadline (grpc-timeout) passed".into()))
+            }
         };
         self.cleanup(&mut state).await;
         if let Err(e) = result {
+            tracing::info!(request_id = %req.request_id, error = %e, "request ended before its last token; its blocks are freed");
             let _ = tx.send(Err(Status::from(e))).await;
         }
     }
@@ -329,12 +346,17 @@ impl Decode for DecodeNode {
 
     async fn generate(&self, request: Request<node::DecodeRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let (metadata, _, req) = request.into_parts();
+        let deadline = admission::deadline_after(tokio::time::Instant::now(), admission::grpc_timeout(&metadata)?);
         self.core.check_tokens(&req.prompt)?;
         let params = convert::sampling_from_proto(req.sampling.as_ref())?;
         if params.n != 1 {
             return Err(Status::invalid_argument("n > 1 is not served by the cluster"));
         }
+        let waiting = self.core.admission.enter().inspect_err(|_| {
+            tandem_node::metrics::node().rejected.inc(&[tandem_node::metrics::QUEUE_FULL]);
+        })?;
         self.core.engine.validate(req.prompt.clone(), params.clone()).await.map_err(NodeError::from)?;
+        let state = State { engine_id: None, recv: None, waiting, deadline };
         let (tx, rx) = mpsc::channel(64);
         let span = tracing::info_span!(
             "decode",
@@ -345,7 +367,7 @@ impl Decode for DecodeNode {
             completion_tokens = tracing::field::Empty,
         );
         tandem_node::trace::adopt_grpc(&span, &metadata);
-        tokio::spawn(self.clone().serve(req, params, tx).instrument(span));
+        tokio::spawn(self.clone().serve(req, params, state, tx).instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -29,7 +29,7 @@
 //!     .await?;
 //! live.changed().await.ok();
 //! assert_eq!(live.borrow().len(), 1);
-//! registration.update_load(Load { waiting: 0, running: 3, free_blocks: 90, total_blocks: 128 });
+//! registration.update_load(Load { waiting: 0, running: 3, free_blocks: 90, total_blocks: 128, max_waiting: 256 });
 //! registration.deregister().await?;
 //! # Ok(()) }
 //! ```

@@ -36,6 +36,10 @@ pub struct Load {
     pub free_blocks: u32,
     /// KV-cache blocks in total.
     pub total_blocks: u32,
+    /// The node's bound on `waiting` (`--max-waiting-requests`): at it, the node refuses more work and
+    /// a router sends it none. 0: not published (a node from before the bound existed).
+    #[serde(default)]
+    pub max_waiting: u32,
 }
 
 /// One cluster member, as registered and as watched.
@@ -95,7 +99,7 @@ mod tests {
             model: "m".into(),
             grpc_addr: "127.0.0.1:1".into(),
             kv_endpoint: "tcp://127.0.0.1:2".into(),
-            load: Load { waiting: 1, running: 2, free_blocks: 3, total_blocks: 4 },
+            load: Load { waiting: 1, running: 2, free_blocks: 3, total_blocks: 4, max_waiting: 5 },
         };
         let json = serde_json::to_value(&info).unwrap();
         assert_eq!(

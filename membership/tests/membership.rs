@@ -69,7 +69,7 @@ fn node(id: &str, role: NodeRole) -> NodeInfo {
         model: "smollm2-135m-instruct".to_owned(),
         grpc_addr: format!("127.0.0.1:{}", 50000 + id.len()),
         kv_endpoint: format!("tcp://{id}.local:7000"),
-        load: Load { waiting: 0, running: 0, free_blocks: 100, total_blocks: 128 },
+        load: Load { waiting: 0, running: 0, free_blocks: 100, total_blocks: 128, max_waiting: 0 },
     }
 }
 
@@ -124,7 +124,7 @@ async fn update_load_is_published(cluster: Cluster) {
     let reg = register(m, info.clone()).await;
     wait_until(&mut live, PROMPT, "the node", |n| n.len() == 1).await;
 
-    let busy = Load { waiting: 3, running: 8, free_blocks: 10, total_blocks: 128 };
+    let busy = Load { waiting: 3, running: 8, free_blocks: 10, total_blocks: 128, max_waiting: 16 };
     reg.update_load(busy);
     let nodes = wait_until(&mut live, PROMPT, "the new load", |n| n.first().is_some_and(|n| n.load == busy)).await;
     assert_eq!(nodes[0], NodeInfo { load: busy, ..info.clone() }, "only the load changed");
@@ -253,7 +253,7 @@ async fn survives_etcd_restart(data: DataDir) {
     blocking(|| cluster.server().stop());
     tokio::time::sleep(TTL + Duration::from_millis(500)).await;
     // Load changes while etcd is down are kept and published once it is back.
-    let load = Load { waiting: 1, running: 2, free_blocks: 3, total_blocks: 128 };
+    let load = Load { waiting: 1, running: 2, free_blocks: 3, total_blocks: 128, max_waiting: 0 };
     reg.update_load(load);
     blocking(|| cluster.server().start_again(data));
 

@@ -9,8 +9,12 @@
 //!   engine has no work (`Engine::has_work`: requests waiting for KV or a release do not spin it).
 //! - A request whose output channel is gone (its handler was cancelled) is aborted at once.
 //! - Commands queued before a step are applied before it, so an abort never waits more than one step.
+//! - A remote allocation that does not fit the free blocks now waits in a FIFO queue (it holds no
+//!   block) and is retried, front first, whenever blocks may have come back (after every command and
+//!   step) instead of failing; only a prompt that cannot fit even an empty pool is refused at once
+//!   (`CapacityExceeded`). A queued allocation whose caller went away is dropped unanswered.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
@@ -127,7 +131,8 @@ impl EngineThread {
         Ok((id, rx))
     }
 
-    /// Decode role: allocates blocks for a prompt prefilled elsewhere.
+    /// Decode role: allocates blocks for a prompt prefilled elsewhere, waiting (in FIFO order with
+    /// other remote allocations) until the pool has room; dropping the future gives up its place.
     pub async fn add_remote(
         &self,
         prompt: Vec<u32>,
@@ -176,10 +181,20 @@ struct Live {
     queued_at: Instant,
 }
 
+/// A remote allocation waiting for free blocks.
+struct PendingRemote {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    events: mpsc::UnboundedSender<Event>,
+    reply: Reply<(RequestId, RemoteAlloc)>,
+}
+
 struct Worker {
     engine: Engine,
     connector: Option<Arc<Connector>>,
     live: HashMap<RequestId, Live>,
+    /// Remote allocations waiting for blocks, front first.
+    pending_remote: VecDeque<PendingRemote>,
 }
 
 /// Starts and feeds the transfers of the requests completing their prefill in one step.
@@ -220,7 +235,7 @@ impl StepObserver for Observer<'_> {
 
 impl Worker {
     fn new(engine: Engine, connector: Option<Arc<Connector>>) -> Worker {
-        Worker { engine, connector, live: HashMap::new() }
+        Worker { engine, connector, live: HashMap::new(), pending_remote: VecDeque::new() }
     }
 
     /// Serves commands until every handle is gone; returns the engine (whose memory may still be shared).
@@ -250,6 +265,40 @@ impl Worker {
             if self.engine.has_work() {
                 self.step();
             }
+            self.allocate_pending();
+        }
+    }
+
+    /// Gives queued remote allocations their blocks, front first, while they fit.
+    fn allocate_pending(&mut self) {
+        while let Some(front) = self.pending_remote.front() {
+            if front.reply.is_closed() {
+                self.pending_remote.pop_front(); // its caller gave up (deadline, client gone)
+                continue;
+            }
+            match self.engine.add_remote_request(front.prompt.clone(), front.params.clone()) {
+                Err(EngineError::KvPoolFull { .. }) => return,
+                r => {
+                    let p = self.pending_remote.pop_front().expect("front exists");
+                    self.answer_remote(r, p.events, p.reply);
+                }
+            }
+        }
+    }
+
+    fn answer_remote(
+        &mut self,
+        r: Result<(RequestId, RemoteAlloc), EngineError>,
+        events: mpsc::UnboundedSender<Event>,
+        reply: Reply<(RequestId, RemoteAlloc)>,
+    ) {
+        if let Ok((id, _)) = &r {
+            self.live.insert(*id, Live { events, plan: None, queued_at: Instant::now() });
+        }
+        if let Err(Ok((id, _))) = reply.send(r) {
+            // The caller went away between the check and the answer: give the blocks back.
+            self.engine.abort(id);
+            self.live.remove(&id);
         }
     }
 
@@ -266,11 +315,16 @@ impl Worker {
                 let _ = reply.send(r);
             }
             Cmd::AddRemote { prompt, params, events, reply } => {
-                let r = self.engine.add_remote_request(prompt, params);
-                if let Ok((id, _)) = &r {
-                    self.live.insert(*id, Live { events, plan: None, queued_at: Instant::now() });
+                // Behind others already waiting for blocks, or when the pool is full now: wait.
+                let r = match self.engine.validate_request(&prompt, &params) {
+                    Err(e) => Err(e),
+                    Ok(()) if !self.pending_remote.is_empty() => Err(EngineError::KvPoolFull { needed: 0, free: 0 }),
+                    Ok(()) => self.engine.add_remote_request(prompt.clone(), params.clone()),
+                };
+                match r {
+                    Err(EngineError::KvPoolFull { .. }) => self.pending_remote.push_back(PendingRemote { prompt, params, events, reply }),
+                    r => self.answer_remote(r, events, reply),
                 }
-                let _ = reply.send(r);
             }
             Cmd::KvReady { id, first_token, logprob, reply } => match self.engine.kv_ready_with_logprob(id, first_token, logprob) {
                 Ok(outputs) => {
@@ -290,7 +344,9 @@ impl Worker {
                 self.live.remove(&id);
             }
             Cmd::Load { reply } => {
-                let _ = reply.send(self.engine.current_load());
+                let mut load = self.engine.current_load();
+                load.waiting += self.pending_remote.len();
+                let _ = reply.send(load);
             }
             Cmd::CachedPrefix { prompt, reply } => {
                 let _ = reply.send(self.engine.cached_prefix_len(&prompt));

@@ -24,6 +24,12 @@ pub enum NodeError {
     /// The caller may not ask for this (a peer that membership does not list).
     #[error("{0}")]
     Forbidden(String),
+    /// Too much work is waiting already (a bounded queue is full): retry later.
+    #[error("{0}")]
+    Overloaded(String),
+    /// The request's deadline (the caller's `grpc-timeout`, or a queue-time limit) passed.
+    #[error("{0}")]
+    DeadlineExceeded(String),
     /// A peer node answered with an error.
     #[error("{0}")]
     Peer(#[from] Status),
@@ -47,6 +53,8 @@ impl From<NodeError> for Status {
             NodeError::NotFound(_) => Code::NotFound,
             NodeError::Unavailable(_) => Code::Unavailable,
             NodeError::Forbidden(_) => Code::PermissionDenied,
+            NodeError::Overloaded(_) => Code::ResourceExhausted,
+            NodeError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             NodeError::Peer(s) => return s.clone(),
             NodeError::Internal(_) => Code::Internal,
         };

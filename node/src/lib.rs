@@ -1,6 +1,7 @@
 //! What prefill and decode nodes share: the engine on its own thread, the KV cache registered for
 //! transfers, proto conversions and the one error → gRPC status mapping.
 
+pub mod admission;
 pub mod convert;
 mod engine_thread;
 mod error;

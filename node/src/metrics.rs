@@ -333,7 +333,14 @@ pub struct NodeMetrics {
     pub prefix_cache_hits: Counter,
     /// Decode node: requests prefilled here, by reason (short, no_prefill_node, unlisted, remote_failed).
     pub local_prefills: CounterVec,
+    /// Requests refused or ended early by overload protection, by reason ([`QUEUE_FULL`], [`DEADLINE`]).
+    pub rejected: CounterVec,
 }
+
+/// `reason` of a request refused because its bounded queue was full.
+pub const QUEUE_FULL: &str = "queue_full";
+/// `reason` of a request ended because its deadline (`grpc-timeout`) passed.
+pub const DEADLINE: &str = "deadline";
 
 static NODE: LazyLock<NodeMetrics> = LazyLock::new(|| NodeMetrics {
     transfers: CounterVec::new(&["backend", "direction"]),
@@ -344,6 +351,7 @@ static NODE: LazyLock<NodeMetrics> = LazyLock::new(|| NodeMetrics {
     prefix_cache_queries: Counter::default(),
     prefix_cache_hits: Counter::default(),
     local_prefills: CounterVec::new(&["reason"]),
+    rejected: CounterVec::new(&["reason"]),
 });
 
 /// This process's node metrics.
@@ -431,7 +439,22 @@ pub async fn render_node(core: &NodeCore) -> String {
         }
         Err(err) => tracing::warn!(error = %err, "metrics: the engine did not report its load"),
     }
+    e.gauge(
+        "tandem:requests_queued",
+        "Requests accepted and not yet started (no first token yet), as --max-waiting-requests bounds them.",
+        core.admission.waiting() as f64,
+    );
+    e.gauge(
+        "tandem:requests_queued_limit",
+        "The bound on tandem:requests_queued (--max-waiting-requests).",
+        core.admission.limit() as f64,
+    );
     let m = node();
+    e.counters(
+        "tandem:requests_rejected_total",
+        "Requests refused or ended by overload protection, by reason (queue_full, deadline).",
+        &m.rejected,
+    );
     e.counters(
         "tandem:kv_transfers_total",
         "Finished KV transfers.",

@@ -60,7 +60,7 @@ mod tests {
             model: model.into(),
             grpc_addr: format!("{id}:1"),
             kv_endpoint: format!("tcp://{id}:2"),
-            load: Load { waiting: 0, running: 0, free_blocks: 1, total_blocks: 1 },
+            load: Load { waiting: 0, running: 0, free_blocks: 1, total_blocks: 1, max_waiting: 1 },
         }
     }
 

@@ -55,6 +55,8 @@ pub struct NodeSetup {
     pub kv_spec: ConnectorSpec,
     /// Connector tunables.
     pub kv_config: ConnectorConfig,
+    /// Overload limits (`--max-waiting-requests`).
+    pub limits: crate::admission::Limits,
 }
 
 /// A started node's shared parts.
@@ -78,6 +80,8 @@ pub struct NodeCore {
     pub num_blocks: usize,
     /// The `Info` answer.
     pub info: node::InfoResponse,
+    /// Requests accepted and not yet started, bounded by [`NodeSetup::limits`].
+    pub admission: crate::admission::Gate,
 }
 
 impl NodeCore {
@@ -132,7 +136,8 @@ impl NodeCore {
             load: None,
             kv_backend: String::new(),
         };
-        Ok(NodeCore { engine, connector, geometry, model_name: setup.model_name, vocab_size, block_size, max_model_len, num_blocks, info })
+        let admission = crate::admission::Gate::new(setup.limits);
+        Ok(NodeCore { engine, connector, geometry, model_name: setup.model_name, vocab_size, block_size, max_model_len, num_blocks, info, admission })
     }
 
     /// The `Info` answer with the node's load now (blocks and queues read from the engine thread).

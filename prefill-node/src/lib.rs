@@ -4,7 +4,10 @@
 //! decode node confirmed every layer, the held blocks are released and the first token is returned.
 //!
 //! Invariants: a cancelled call (the decode node gave up) cancels its transfer and frees its blocks; held
-//! blocks are released exactly once, after the transfer ended.
+//! blocks are released exactly once, after the transfer ended. At most `--max-waiting-requests` prompts
+//! are accepted and not yet computed (one more is refused at once with RESOURCE_EXHAUSTED, holding
+//! nothing); a call whose `grpc-timeout` passes ends with DEADLINE_EXCEEDED and frees the same way as
+//! a cancelled one.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -12,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::sched::Role;
 use tandem_kv_transfer::Fabric;
-use tandem_node::{Event, NodeCore, NodeError, NodeSetup, Peers, TransferPlan, convert};
+use tandem_node::{Event, NodeCore, NodeError, NodeSetup, Peers, TransferPlan, admission, convert};
 use tandem_proto::node::v1 as node;
 use tandem_proto::node::v1::prefill_server::{Prefill, PrefillServer};
 use tokio::sync::oneshot;
@@ -48,8 +51,9 @@ impl PrefillNode {
         PrefillServer::new(self.clone())
     }
 
-    async fn run(self, req: node::PrefillRequest, done: &mut oneshot::Sender<()>) -> Result<node::PrefillResponse, NodeError> {
+    async fn run(self, req: node::PrefillRequest, call: Call, done: &mut oneshot::Sender<()>) -> Result<node::PrefillResponse, NodeError> {
         let PrefillNode { core, peers, reached } = self;
+        let Call { mut waiting, deadline } = call;
         let started = Instant::now();
         core.check_tokens(&req.prompt)?;
         let params = convert::sampling_from_proto(req.sampling.as_ref())?;
@@ -90,6 +94,7 @@ impl PrefillNode {
             let event = tokio::select! {
                 e = events.recv() => e,
                 _ = done.closed() => return Err(NodeError::Internal("cancelled by the caller".into())),
+                _ = admission::until(deadline) => return Err(deadline_passed()),
             };
             if !matches!(event, Some(Event::Scheduled)) {
                 break event;
@@ -103,6 +108,7 @@ impl PrefillNode {
             );
         };
         phase.end();
+        waiting.started();
         let (output, transfer) = match event {
             Some(Event::PrefillDone { output, transfer: Some(t) }) => (output, t),
             Some(Event::PrefillDone { transfer: None, .. }) => return Err(NodeError::Internal("the KV transfer never started".into())),
@@ -117,6 +123,10 @@ impl PrefillNode {
             _ = done.closed() => {
                 transfer.cancel().await;
                 return Err(NodeError::Internal("cancelled by the caller".into()));
+            }
+            _ = admission::until(deadline) => {
+                transfer.cancel().await;
+                return Err(deadline_passed());
             }
         };
         // Either way the transfer is over: the blocks can go.
@@ -163,6 +173,17 @@ impl PrefillNode {
     }
 }
 
+/// What a call brings besides its request: its place among the waiting prompts and its deadline.
+struct Call {
+    waiting: admission::Waiting,
+    deadline: Option<tokio::time::Instant>,
+}
+
+fn deadline_passed() -> NodeError {
+    tandem_node::metrics::node().rejected.inc(&[tandem_node::metrics::DEADLINE]);
+    NodeError::DeadlineExceeded("the request's deadline (grpc-timeout) passed before its prompt was computed and sent".into())
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -185,13 +206,18 @@ impl Drop for AbortOnDrop<'_> {
 impl Prefill for PrefillNode {
     async fn prefill(&self, request: Request<node::PrefillRequest>) -> Result<Response<node::PrefillResponse>, Status> {
         let (metadata, _, req) = request.into_parts();
+        let deadline = admission::deadline_after(tokio::time::Instant::now(), admission::grpc_timeout(&metadata)?);
+        let waiting = self.core.admission.enter().inspect_err(|_| {
+            tandem_node::metrics::node().rejected.inc(&[tandem_node::metrics::QUEUE_FULL]);
+        })?;
+        let call = Call { waiting, deadline };
         let span = tracing::info_span!("prefill", request_id = %req.request_id, prompt_tokens = req.prompt.len());
         tandem_node::trace::adopt_grpc(&span, &metadata);
         // The work runs in its own task so that a cancelled call still cleans up (cancel the transfer
         // before freeing blocks); the task learns of the cancellation when `rx` is dropped.
         let (mut tx, rx) = oneshot::channel::<()>();
         let node = self.clone();
-        let task = tokio::spawn(async move { node.run(req, &mut tx).await }.instrument(span));
+        let task = tokio::spawn(async move { node.run(req, call, &mut tx).await }.instrument(span));
         let _keep = rx;
         match task.await {
             Ok(r) => r.map(Response::new).map_err(Status::from),

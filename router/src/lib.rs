@@ -10,6 +10,7 @@
 //! - Both front ends (gRPC here, the OpenAI-compatible HTTP API in [`http`]) go through the same
 //!   [`Router::open`]: one place resolves the model, tokenizes, validates and routes.
 
+mod admission;
 mod auth;
 mod grpc;
 pub mod http;
@@ -41,6 +42,8 @@ pub use auth::{MAX_KEY_LEN, read_key_file};
 pub use grpc::Service;
 pub use policy::Policy;
 pub(crate) use relay::Relay;
+pub(crate) use admission::Admitted;
+pub use admission::{DEADLINE_MARGIN, DEFAULT_MAX_WAITING, Limits};
 
 /// Which front end a request came through, with what it carries of the caller's trace context.
 #[derive(Clone, Copy)]
@@ -149,6 +152,7 @@ struct Inner {
     rr: AtomicUsize,
     next_id: AtomicUsize,
     keys: auth::ApiKeys,
+    admission: admission::Admission,
 }
 
 impl std::fmt::Debug for Router {
@@ -203,6 +207,7 @@ impl Router {
                 rr: AtomicUsize::new(0),
                 next_id: AtomicUsize::new(1),
                 keys: auth::ApiKeys::default(),
+                admission: admission::Admission::default(),
             }),
         }
     }
@@ -211,6 +216,11 @@ impl Router {
     /// `None` opens the router to anyone who can reach it.
     pub fn set_api_keys(&self, keys: Option<Vec<String>>) {
         self.inner.keys.set(keys);
+    }
+
+    /// Sets the overload limits (`--max-waiting-requests`, `--max-queue-time-ms`; before serving).
+    pub fn set_limits(&self, limits: Limits) {
+        self.inner.admission.set(limits);
     }
 
     /// Whether the router serves requests without an API key.
@@ -357,7 +367,11 @@ impl Router {
             }));
         }
         let decoders: Vec<&NodeInfo> = nodes.iter().filter(|n| n.model == model && n.role == NodeRole::Decode).collect();
-        let prefillers: Vec<&NodeInfo> = nodes.iter().filter(|n| n.model == model && n.role == NodeRole::Prefill).collect();
+        // Nodes whose published queue is full take nothing; a full prefill node is skipped (the decode
+        // node prefills), every decode node full is RESOURCE_EXHAUSTED.
+        let decoders = admission::open_decoders(&model, decoders)?;
+        let prefillers: Vec<&NodeInfo> =
+            nodes.iter().filter(|n| n.model == model && n.role == NodeRole::Prefill && !admission::full(n)).collect();
         let hashes = prefix_block_hashes(&prompt, entry.block_size);
         let decode = match self.inner.policy {
             Policy::LeastLoad => policy::least_load(&decoders),
@@ -388,10 +402,37 @@ impl Router {
         Ok((Routed { request_id, model, prompt, sampling, tokenizer }, decode, prefill))
     }
 
-    /// Resolves the model, tokenizes, validates, routes and opens the decode node's stream: what every
-    /// front end calls. Dropping the returned relay aborts the request on every node. The request's
-    /// span (`request`, lasting as long as the relay) joins the caller's trace, if it sent one.
-    pub(crate) async fn open(&self, req: api::GenerateRequest, max_tokens: MaxTokens, caller: Caller<'_>) -> Result<Relay, NodeError> {
+    /// Admits the request (RESOURCE_EXHAUSTED past `--max-waiting-requests`), then resolves the model,
+    /// tokenizes, validates, routes and opens the decode node's stream, all within the request's
+    /// deadlines (the caller's `grpc-timeout`, `--max-queue-time-ms`; DEADLINE_EXCEEDED): what every front
+    /// end calls. Dropping the returned stream aborts the request on every node.
+    pub(crate) async fn open(&self, req: api::GenerateRequest, max_tokens: MaxTokens, caller: Caller<'_>) -> Result<Admitted, NodeError> {
+        let arrived = tokio::time::Instant::now();
+        let (waiting, max_queue_time) = self.inner.admission.enter()?;
+        let timeout = match caller {
+            Caller::Grpc(metadata) => tandem_node::admission::grpc_timeout(metadata)?,
+            Caller::Http(_) => None,
+        };
+        let deadline = admission::call_deadline(arrived, timeout);
+        let queue_deadline = max_queue_time.map(|q| arrived + q);
+        let opening = self.open_relay(req, max_tokens, caller, deadline);
+        let relay = match admission::earliest(deadline, queue_deadline) {
+            None => opening.await?,
+            Some((at, why)) => tokio::time::timeout_at(at, opening).await.map_err(|_| admission::expired(why))??,
+        };
+        Ok(Admitted::new(relay, waiting, deadline, queue_deadline))
+    }
+
+    /// [`Self::open`] past admission. Dropping the returned relay aborts the request on every node. The
+    /// request's span (`request`, lasting as long as the relay) joins the caller's trace, if it sent one;
+    /// the decode node is given what is left of `deadline` as its `grpc-timeout`.
+    async fn open_relay(
+        &self,
+        req: api::GenerateRequest,
+        max_tokens: MaxTokens,
+        caller: Caller<'_>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Relay, NodeError> {
         let started = Instant::now();
         let span = tracing::info_span!(
             "request",
@@ -428,6 +469,9 @@ impl Router {
             prefill_addr: prefill.map(|p| p.grpc_addr).unwrap_or_default(),
         };
         let mut call = Request::new(call);
+        if let Some(d) = deadline {
+            call.set_timeout(d.saturating_duration_since(tokio::time::Instant::now()));
+        }
         tandem_node::trace::inject(&span, call.metadata_mut());
         match client.generate(call).instrument(span.clone()).await {
             Ok(stream) => Ok(Relay::new(
@@ -439,6 +483,9 @@ impl Router {
                 if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled) {
                     self.quarantine(&decode.id);
                     return Err(NodeError::Unavailable(format!("decode node {} failed: {}", decode.id, s.message())));
+                }
+                if s.code() == Code::ResourceExhausted {
+                    metrics::rejected(admission::reason::NODES_FULL);
                 }
                 Err(NodeError::Peer(s))
             }

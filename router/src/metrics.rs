@@ -1,7 +1,7 @@
 //! The router's Prometheus metrics (`GET /metrics` on the HTTP listener), vLLM's names under `tandem:`:
 //! request latencies measured in the [`crate::Relay`] every front end goes through, finished requests by
 //! reason, tokens in and out (from the decode node's usage), requests running, routing decisions by
-//! policy, and membership changes.
+//! policy, membership changes, and overload protection (requests queued, refusals by reason).
 //!
 //! Invariants:
 //! - The metrics are process-wide (one router per process); recording never blocks on I/O.
@@ -27,6 +27,7 @@ pub(crate) struct RouterMetrics {
     pub(crate) running: Gauge,
     pub(crate) routing: CounterVec,
     pub(crate) membership: CounterVec,
+    pub(crate) rejected: CounterVec,
 }
 
 static METRICS: LazyLock<RouterMetrics> = LazyLock::new(|| RouterMetrics {
@@ -39,6 +40,7 @@ static METRICS: LazyLock<RouterMetrics> = LazyLock::new(|| RouterMetrics {
     running: Gauge::default(),
     routing: CounterVec::new(&["policy", "prefill"]),
     membership: CounterVec::new(&["role", "change"]),
+    rejected: CounterVec::new(&["reason"]),
 });
 
 /// This process's router metrics.
@@ -58,6 +60,11 @@ pub(crate) fn routed(policy: crate::Policy, remote_prefill: bool) {
     router()
         .routing
         .inc(&[policy.name(), if remote_prefill { "remote" } else { "none" }]);
+}
+
+/// Records a request refused or ended by overload protection (see [`crate::admission::reason`]).
+pub(crate) fn rejected(reason: &str) {
+    router().rejected.inc(&[reason]);
 }
 
 /// Counts nodes joining and leaving `nodes` until the sender goes away (needs a tokio runtime; without
@@ -93,8 +100,9 @@ pub(crate) fn watch_membership(mut nodes: watch::Receiver<Vec<NodeInfo>>) {
     });
 }
 
-/// The router's metrics now, with `nodes` (live prefill, decode) counts.
-pub(crate) fn render(nodes: (u32, u32)) -> String {
+/// The router's metrics now, with `nodes` (live prefill, decode) counts and `queued` (requests without a
+/// first token, and their bound).
+pub(crate) fn render(nodes: (u32, u32), queued: (usize, usize)) -> String {
     let m = router();
     let mut e = Exposition::default();
     e.histogram(
@@ -131,6 +139,21 @@ pub(crate) fn render(nodes: (u32, u32)) -> String {
         "tandem:requests_running",
         "Requests being relayed now.",
         m.running.get() as f64,
+    );
+    e.gauge(
+        "tandem:requests_queued",
+        "Requests admitted and without a first token, as --max-waiting-requests bounds them.",
+        queued.0 as f64,
+    );
+    e.gauge(
+        "tandem:requests_queued_limit",
+        "The bound on tandem:requests_queued (--max-waiting-requests).",
+        queued.1 as f64,
+    );
+    e.counters(
+        "tandem:requests_rejected_total",
+        "Requests refused or ended by overload protection, by reason (queue_full, nodes_full, deadline, queue_time).",
+        &m.rejected,
     );
     e.counters(
         "tandem:routing_decisions_total",

@@ -108,7 +108,7 @@ mod tests {
             model: "m".into(),
             grpc_addr: format!("{id}:1"),
             kv_endpoint: String::new(),
-            load: Load { waiting, running, free_blocks: free, total_blocks: 100 },
+            load: Load { waiting, running, free_blocks: free, total_blocks: 100, max_waiting: 0 },
         }
     }
 

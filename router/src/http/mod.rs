@@ -291,7 +291,7 @@ async fn model(State(http): State<Http>, Path(id): Path<String>) -> Response {
 
 /// The router's Prometheus metrics.
 async fn metrics(State(http): State<Http>) -> Response {
-    let text = crate::metrics::render(http.router.node_counts());
+    let text = crate::metrics::render(http.router.node_counts(), http.router.inner.admission.waiting());
     (StatusCode::OK, [(header::CONTENT_TYPE, tandem_node::metrics::CONTENT_TYPE)], text).into_response()
 }
 

@@ -26,7 +26,7 @@ use super::wire::{
     ChatTopLogprob, Completion, CompletionChoice, CompletionLogprobs, PromptTokensDetails, TopMap,
     Usage,
 };
-use crate::Relay;
+use crate::Admitted as Relay;
 
 /// What every part of one answer shares.
 pub(crate) struct Reply {
