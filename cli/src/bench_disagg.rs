@@ -496,6 +496,7 @@ fn cluster(
         engine,
         kv_spec,
         kv_config: ConnectorConfig::default(),
+        tls: None,
         // The benchmark measures every client it sends: nothing is shed.
         limits: tandem_node::admission::Limits { max_waiting: usize::MAX },
     };

@@ -35,6 +35,7 @@ use crate::generate::EngineArgs;
 mod check;
 mod health;
 mod overload;
+pub(crate) mod tls;
 
 use health::Health;
 use tonic_health::ServingStatus;
@@ -51,6 +52,8 @@ pub(crate) struct EtcdArgs {
     /// Lease TTL in seconds: a node that stops answering leaves routing within it.
     #[arg(long, default_value_t = 5)]
     ttl: u64,
+    #[command(flatten)]
+    tls: tls::EtcdTlsArgs,
 }
 
 /// How long a server may drain.
@@ -72,9 +75,11 @@ impl DrainArgs {
 const EMBEDDED_DRAIN: Duration = Duration::from_secs(30);
 
 impl EtcdArgs {
-    async fn connect(&self) -> anyhow::Result<Membership> {
+    /// Connects to etcd (over TLS with `--etcd-*`, or with the cluster's files to `https://` endpoints).
+    async fn connect(&self, cluster_tls: Option<&tandem_node::tls::ClusterTls>) -> anyhow::Result<Membership> {
         anyhow::ensure!(self.ttl >= 1, "--ttl must be at least 1 second");
-        let opts = tandem_membership::EtcdOptions { ttl: Duration::from_secs(self.ttl), ..Default::default() };
+        let tls = self.tls.load(&self.etcd, cluster_tls)?;
+        let opts = tandem_membership::EtcdOptions { ttl: Duration::from_secs(self.ttl), tls, ..Default::default() };
         Membership::etcd(&self.etcd, &self.cluster_prefix, opts)
             .await
             .with_context(|| format!("connecting to etcd at {}", self.etcd.join(",")))
@@ -107,6 +112,8 @@ pub(crate) struct RouterArgs {
     /// Only check the command line, then exit (nothing is reached, bound or loaded).
     #[arg(long)]
     check: bool,
+    tls: tls::TlsArgs,
+    #[command(flatten)]
 }
 
 /// `--http-listen` of `tandem up`: an address, or `off`.
@@ -151,6 +158,8 @@ pub(crate) struct NodeArgs {
     /// Only check the command line, then exit (no model is pulled or loaded, nothing reached or bound).
     #[arg(long)]
     check: bool,
+    tls: tls::TlsArgs,
+    #[command(flatten)]
 }
 
 impl NodeArgs {
@@ -161,6 +170,7 @@ impl NodeArgs {
             anyhow::ensure!(!a.trim().is_empty(), "--advertise is empty");
         }
         check::ok(&format!("tandem {role}"))
+        check_tls(&self.tls, Some(&self.etcd))?;
     }
 }
 
@@ -235,6 +245,8 @@ pub(crate) struct UpArgs {
     #[arg(long)]
     check: bool,
 }
+    #[command(flatten)]
+    tls: tls::TlsArgs,
 
 /// `tandem client`.
 #[derive(Args, Debug)]
@@ -277,6 +289,8 @@ pub(crate) struct ClientArgs {
     prompt: String,
 }
 
+    #[command(flatten)]
+    tls: tls::ClientTlsArgs,
 pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")
 }
@@ -317,7 +331,18 @@ fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
     let (dir, engine) = args.engine.prepare(true)?;
     let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
     let mut kv_spec = args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu);
+/// Loads the TLS files (if any) and, with `etcd`, the etcd TLS files too: `--check`'s part of TLS.
+fn check_tls(args: &tls::TlsArgs, etcd: Option<&EtcdArgs>) -> anyhow::Result<()> {
+    let cluster = args.load()?;
+    if let Some(etcd) = etcd {
+        etcd.tls.load(&etcd.etcd, cluster.as_deref())?;
+    }
+    Ok(())
+}
+
     // A connector bound to 0.0.0.0 (tcp://, nccl://) advertises the node's host, not loopback.
+    // Before the model loads: a bad TLS file fails at once.
+    let tls = args.tls.load()?;
     match (&mut kv_spec, &args.advertise) {
         (ConnectorSpec::Tcp(opts), Some(host)) if opts.advertise.is_none() => opts.advertise = Some(host.clone()),
         (ConnectorSpec::Nccl(opts), Some(host)) if opts.advertise.is_none() => opts.advertise = Some(host.clone()),
@@ -334,6 +359,7 @@ fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
     })
 }
 
+        tls,
 type SharedRegistration = Arc<std::sync::Mutex<Option<Registration>>>;
 
 /// Publishes the node's load into membership until the registration is taken away.
@@ -402,13 +428,17 @@ impl NodeService {
             NodeService::Decode(_) => <tandem_proto::node::v1::decode_server::DecodeServer<DecodeNode> as NamedService>::NAME,
         }
     }
-    fn router(&self, health: &Health) -> tonic::transport::server::Router {
+    /// The node's gRPC server: mutual TLS (callers need a certificate of the cluster CA) with TLS.
+    fn router(&self, health: &Health) -> anyhow::Result<tonic::transport::server::Router> {
         let mut builder = tonic::transport::Server::builder();
         let router = match self {
             NodeService::Prefill(n) => builder.add_service(n.service()),
             NodeService::Decode(n) => builder.add_service(n.service()),
         };
-        router.add_service(health.server())
+        if let Some(tls) = &self.core().tls {
+            builder = builder.tls_config(tls.node_server()).context("the node's TLS configuration")?;
+        }
+        Ok(router.add_service(health.server()))
     }
 }
 
@@ -465,7 +495,7 @@ async fn serve_node(
     health::watch_engine(Arc::clone(&core), health.clone());
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let (deadline_tx, deadline_rx) = tokio::sync::oneshot::channel();
-    let server = service.router(&health);
+    let server = service.router(&health)?;
     let idle_core = Arc::clone(&core);
     let shutdown = async move {
         stop.signal.await;
@@ -522,7 +552,7 @@ pub(crate) fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     }
     let setup = node_setup(&args.node)?;
     runtime()?.block_on(async {
-        let membership = args.node.etcd.connect().await?;
+        let membership = args.node.etcd.connect(setup.tls.as_deref()).await?;
         let listener = bind(args.node.listen).await?;
         let metrics = bind_optional(args.node.metrics_listen).await?;
         let peers = Peers::new(membership.watch().await.context("watching membership")?, setup.model_name.clone());
@@ -542,7 +572,7 @@ pub(crate) fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     let local_prefill_below = if args.colocated { usize::MAX } else { args.local_prefill_below };
     let opts = DecodeOptions { local_prefill_below, ..DecodeOptions::default() };
     runtime()?.block_on(async {
-        let membership = args.node.etcd.connect().await?;
+        let membership = args.node.etcd.connect(setup.tls.as_deref()).await?;
         let listener = bind(args.node.listen).await?;
         let metrics = bind_optional(args.node.metrics_listen).await?;
         let peers = Peers::new(membership.watch().await.context("watching membership")?, setup.model_name.clone());
@@ -563,8 +593,19 @@ async fn router_health(router: &Router, nodes: tokio::sync::watch::Receiver<Vec<
     health
 }
 
-async fn serve_router(router: Router, listener: TcpListener, health: &Health, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-    tonic::transport::Server::builder()
+/// Serves the router's gRPC client API (TLS with `tls`'s certificate, no client certificate asked for).
+async fn serve_router(
+    router: Router,
+    listener: TcpListener,
+    health: &Health,
+    tls: Option<&tandem_node::tls::ClusterTls>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls.public_server()).context("the router's TLS configuration")?;
+    }
+    builder
         .add_service(router.service())
         .add_service(health.server())
         .serve_with_incoming_shutdown(incoming(listener), stop)
@@ -572,9 +613,24 @@ async fn serve_router(router: Router, listener: TcpListener, health: &Health, st
         .context("serving the client API")
 }
 
-/// Serves the OpenAI-compatible HTTP API until `stop` resolves (then finishes the responses in flight).
-async fn serve_http(router: Router, listener: TcpListener, stop: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-    tandem_router::http::serve(router, listener, stop).await.context("serving the OpenAI API")
+/// Serves the OpenAI-compatible HTTP API (HTTPS with `tls`) until `stop` resolves (then finishes the
+/// responses in flight).
+async fn serve_http(
+    router: Router,
+    listener: TcpListener,
+    tls: Option<&tandem_node::tls::ClusterTls>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    match tls {
+        None => tandem_router::http::serve(router, listener, stop).await,
+        Some(tls) => tandem_router::http::serve_tls(router, listener, tls.https_server(), stop).await,
+    }
+    .context("serving the OpenAI API")
+}
+
+/// The scheme the OpenAI API is announced with.
+fn http_scheme(tls: Option<&tandem_node::tls::ClusterTls>) -> &'static str {
+    if tls.is_some() { "https" } else { "http" }
 }
 
 /// Binds `addr` if there is one.
@@ -592,12 +648,14 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
     }
     if let Some(file) = &args.api_key_file {
         // Before etcd is reached: a bad key file fails at once.
+        check_tls(&args.tls, Some(&args.etcd))?;
         tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
     }
     runtime()?.block_on(async {
-        let membership = args.etcd.connect().await?;
+        let membership = args.etcd.connect(tls.as_deref()).await?;
         let nodes = membership.watch().await.context("watching membership")?;
         let listener = bind(args.listen).await?;
+    let tls = args.tls.load()?;
         let http = bind_optional(args.http_listen).await?;
         let router = Router::new(nodes.clone(), args.policy);
         router.set_limits(args.limits.limits());
@@ -605,7 +663,10 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
         let health = router_health(&router, nodes).await;
         println!("tandem router serving on {}", listener.local_addr()?);
         if let Some(h) = &http {
-            println!("tandem router: OpenAI API on http://{}/v1", h.local_addr()?);
+        if let Some(t) = &tls {
+            router.set_node_tls(Arc::clone(t));
+        }
+            println!("tandem router: OpenAI API on {}://{}/v1", http_scheme(tls.as_deref()), h.local_addr()?);
         }
         let _ = std::io::stdout().flush();
         // On the signal: health NOT_SERVING, then both front ends finish what they have in flight.
@@ -621,11 +682,11 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
         });
         let serving = async {
             match http {
-                None => serve_router(router, listener, &health, stopped(stop_rx)).await,
+                None => serve_router(router, listener, &health, tls.as_deref(), stopped(stop_rx)).await,
                 Some(http) => {
                     let (grpc, http) = tokio::join!(
-                        serve_router(router.clone(), listener, &health, stopped(stop_rx.clone())),
-                        serve_http(router, http, stopped(stop_rx))
+                        serve_router(router.clone(), listener, &health, tls.as_deref(), stopped(stop_rx.clone())),
+                        serve_http(router, http, tls.as_deref(), stopped(stop_rx))
                     );
                     grpc.and(http)
                 }
@@ -643,12 +704,14 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
     if let Some(file) = &args.api_key_file {
         // Before any model loads: a bad key file fails at once.
         tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
+        check_tls(&args.tls, None)?;
     }
     let (dir, weights, model_name, engine) = match args.random_weights {
         Some(geometry) => {
             let engine = args.engine.config(true)?;
             anyhow::ensure!(
                 matches!(engine.device, tandem_engine::Device::Cuda { .. }),
+    let tls = args.tls.load()?;
                 "--random-weights needs --device cuda (the CPU engine loads only checkpoints)"
             );
             let config_json = geometry.config_json().to_string();
@@ -674,6 +737,7 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         // A one-shot --prompt run answers on stdout only; otherwise the HTTP port is taken before the
         // models load, so a busy port fails at once.
+        tls: tls.clone(),
         let http = if args.prompt.is_some() { None } else { bind_optional(args.http_listen.0).await? };
         let opts = EmbeddedOptions {
             setup,
@@ -687,19 +751,20 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         let keys = api_keys(&cluster.router, args.api_key_file.as_deref(), args.prompt.is_none())?;
         println!("tandem up: serving on {}", cluster.addr);
         if let Some(h) = &http {
-            println!("tandem up: OpenAI API on http://{}/v1", h.local_addr()?);
+            println!("tandem up: OpenAI API on {}://{}/v1", http_scheme(tls.as_deref()), h.local_addr()?);
         }
         let _ = std::io::stdout().flush();
         let outcome = match (&args.prompt, http) {
             (Some(prompt), _) => {
                 let req = request(prompt, args.chat, None, "", sampling(args.max_tokens, 0.0, None, None, None, Vec::new()));
-                stream_to_stdout(&cluster.addr.to_string(), req, keys.first().map(String::as_str)).await
+                let client_tls = tls.as_ref().map(|t| t.client());
+                stream_to_stdout(&cluster.addr.to_string(), req, keys.first().map(String::as_str), client_tls).await
             }
             (None, None) => {
                 stop_signal().await;
                 Ok(())
             }
-            (None, Some(listener)) => serve_http(cluster.router.clone(), listener, stop_signal()).await,
+            (None, Some(listener)) => serve_http(cluster.router.clone(), listener, tls.as_deref(), stop_signal()).await,
         };
         cluster.shutdown().await;
         outcome
@@ -755,6 +820,7 @@ impl EmbeddedCluster {
         // On one GPU both engines share the memory budget: `gpu_memory_utilization` counts what is
         // in use already, so the prefill engine (loaded first) takes half and the decode engine the rest.
         // Colocated, the decode node alone takes the whole budget and prefills every prompt.
+        let setup_tls = setup.tls.clone();
         let peers = Peers::new(membership.watch().await?, setup.model_name.clone());
         let prefill = if opts.colocated {
             None
@@ -799,12 +865,16 @@ impl EmbeddedCluster {
             let health = health.clone();
             async move {
                 stopped(stop_rx).await;
+        let tls = setup_tls;
+        if let Some(t) = &tls {
+            router.set_node_tls(Arc::clone(t));
+        }
                 health.drain().await;
             }
         };
         let serving = {
             let router = router.clone();
-            tokio::spawn(async move { serve_router(router, listener, &health, stop).await })
+            tokio::spawn(async move { serve_router(router, listener, &health, tls.as_deref(), stop).await })
         };
         Ok(EmbeddedCluster { addr, prefill: prefill_report, decode: decode_report, router, stop_tx, serving, nodes })
     }
@@ -876,8 +946,14 @@ fn api_keys(router: &Router, file: Option<&std::path::Path>, warn_open: bool) ->
 }
 
 /// Streams a completion to stdout as it arrives; the stats line goes to stderr.
-async fn stream_to_stdout(router: &str, req: api::GenerateRequest, api_key: Option<&str>) -> anyhow::Result<()> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{router}"))
+async fn stream_to_stdout(
+    router: &str,
+    req: api::GenerateRequest,
+    api_key: Option<&str>,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+) -> anyhow::Result<()> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{router}"))
         .with_context(|| format!("router address {router:?}"))?
         .connect_timeout(Duration::from_secs(5));
     let channel = endpoint.connect().await.with_context(|| format!("connecting to the router at {router}"))?;
@@ -885,6 +961,9 @@ async fn stream_to_stdout(router: &str, req: api::GenerateRequest, api_key: Opti
     let mut req = tonic::Request::new(req);
     if let Some(key) = api_key {
         let value = format!("Bearer {key}").parse().map_err(|_| anyhow::anyhow!("the API key must be visible ASCII"))?;
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).context("the client's TLS configuration")?;
+    }
         req.metadata_mut().insert("authorization", value);
     }
     let mut stream = client.generate(req).await.map_err(status_error)?.into_inner();
@@ -920,5 +999,6 @@ pub(crate) fn run_client(args: ClientArgs) -> anyhow::Result<()> {
         &args.model,
         sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop.clone()),
     );
-    runtime()?.block_on(stream_to_stdout(&args.router, req, args.api_key.as_deref()))
+    let tls = args.tls.load()?;
+    runtime()?.block_on(stream_to_stdout(&args.router, req, args.api_key.as_deref(), tls))
 }

@@ -42,6 +42,10 @@ pub(crate) struct KvBenchArgs {
     /// between the two GPUs).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// With the tcp backend: also time it over mutual TLS (certificates of a throwaway CA made in
+    /// memory), interleaved with the plain runs, and report both.
+    #[arg(long)]
+    tls: bool,
 }
 
 /// Where the pools live: the senders' and the receivers' (the same unless two GPUs are named).
@@ -336,8 +340,24 @@ pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
     if args.sizes.is_empty() || args.sizes.contains(&0) || args.iters == 0 || args.latency_iters == 0 || args.small_kib == 0 || args.chunk_kib == 0 {
         bail!("sizes, iterations and the small size must all be > 0");
     }
+    if args.tls && !matches!(spec, ConnectorSpec::Tcp(_)) {
+        bail!("--tls times the tcp backend over TLS: use it with --backend tcp");
+    }
     let rt = runtime()?;
     rt.block_on(bench(spec, args, devices))
+}
+
+/// `spec` (tcp) with mutual TLS from certificates of a throwaway CA for 127.0.0.1.
+fn with_throwaway_tls(spec: &ConnectorSpec) -> anyhow::Result<ConnectorSpec> {
+    use tandem_kv_transfer::transport::tcp::TcpTls;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+    let ConnectorSpec::Tcp(opts) = spec else { bail!("--tls needs the tcp backend") };
+    let issued = crate::cert::issue(&["127.0.0.1".to_string()], &["bench"], 1)?;
+    let (_, cert, key) = issued.certs.first().context("no certificate issued")?;
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    let ca: CertificateDer<'static> = issued.ca.der().clone();
+    let tls = TcpTls::new(vec![cert.der().clone()], key, &[ca])?;
+    Ok(ConnectorSpec::Tcp(tandem_kv_transfer::transport::tcp::TcpOptions { tls: Some(tls), ..opts.clone() }))
 }
 
 async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyhow::Result<()> {
@@ -352,6 +372,15 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
     let (src, dst) = (filled(&g, max_mib, devices.src)?, pool(&g, max_mib, devices.dst)?);
     let tx = Connector::from_spec(&spec, Arc::clone(&src), config.clone(), &fabric).await?;
     let rx = Connector::from_spec(&spec, Arc::clone(&dst), config.clone(), &fabric).await?;
+    // With --tls, a second pair over the same pools moving the same blocks over mutual TLS.
+    let tls_spec = if args.tls { Some(with_throwaway_tls(&spec)?) } else { None };
+    let tls_pair = match &tls_spec {
+        Some(s) => Some((
+            Connector::from_spec(s, Arc::clone(&src), config.clone(), &fabric).await?,
+            Connector::from_spec(s, Arc::clone(&dst), config.clone(), &fabric).await?,
+        )),
+        None => None,
+    };
     // The reference moving the same bytes: a loopback socket between host buffers, one plain
     // device-to-device copy between two pools of one GPU, or one bare NCCL send between two GPUs.
     let pair = match (devices.src, devices.dst) {
@@ -368,20 +397,40 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
         config.max_chunk_bytes >> 10,
         args.iters
     );
-    println!("{:>8}  {:>12}  {:>16}  {:>8}  {:>12}", "size", "tandem GB/s", format!("{} GB/s", raw.name()), "ratio", "memcpy GB/s");
+    let tls_header = if tls_pair.is_some() { format!("  {:>15}  {:>9}", "tandem TLS GB/s", "TLS/plain") } else { String::new() };
+    println!(
+        "{:>8}  {:>12}  {:>16}  {:>8}  {:>12}{tls_header}",
+        "size",
+        "tandem GB/s",
+        format!("{} GB/s", raw.name()),
+        "ratio",
+        "memcpy GB/s"
+    );
     for &mib in &args.sizes {
         let bytes = (mib as usize) << 20;
         kv_once(&tx, &rx, mib).await?;
         raw.once(bytes).await?;
-        let (mut kv, mut sock) = (Vec::new(), Vec::new());
-        // Interleave so both see the same machine state.
+        if let Some((ttx, trx)) = &tls_pair {
+            kv_once(ttx, trx, mib).await?;
+        }
+        let (mut kv, mut sock, mut tls) = (Vec::new(), Vec::new(), Vec::new());
+        // Interleave so all see the same machine state.
         for _ in 0..args.iters {
             kv.push(kv_once(&tx, &rx, mib).await?);
             sock.push(raw.once(bytes).await?);
+            if let Some((ttx, trx)) = &tls_pair {
+                tls.push(kv_once(ttx, trx, mib).await?);
+            }
         }
         let (k, s) = (gbs(bytes, median(kv)), gbs(bytes, median(sock)));
+        let tls_cols = if tls.is_empty() {
+            String::new()
+        } else {
+            let t = gbs(bytes, median(tls));
+            format!("  {:>15.2}  {:>8.0}%", t, 100.0 * t / k)
+        };
         println!(
-            "{:>5} MiB  {:>12.2}  {:>16.2}  {:>7.0}%  {:>12.2}",
+            "{:>5} MiB  {:>12.2}  {:>16.2}  {:>7.0}%  {:>12.2}{tls_cols}",
             mib,
             k,
             s,
@@ -393,7 +442,14 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
     let sg = small_geometry(args.small_kib)?;
     let (ssrc, sdst) = (filled(&sg, 1, devices.src)?, pool(&sg, 1, devices.dst)?);
     let stx = Connector::from_spec(&spec, Arc::clone(&ssrc), config.clone(), &fabric).await?;
-    let srx = Connector::from_spec(&spec, Arc::clone(&sdst), config, &fabric).await?;
+    let srx = Connector::from_spec(&spec, Arc::clone(&sdst), config.clone(), &fabric).await?;
+    let small_tls = match &tls_spec {
+        Some(s) => Some((
+            Connector::from_spec(s, Arc::clone(&ssrc), config.clone(), &fabric).await?,
+            Connector::from_spec(s, Arc::clone(&sdst), config, &fabric).await?,
+        )),
+        None => None,
+    };
     let small = (args.small_kib as usize) << 10;
     let mut raw_small = match raw {
         Raw::Socket(_) => raw,
@@ -402,11 +458,17 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
     for _ in 0..20 {
         kv_once(&stx, &srx, 1).await?;
         raw_small.once(small).await?;
+        if let Some((ttx, trx)) = &small_tls {
+            kv_once(ttx, trx, 1).await?;
+        }
     }
-    let (mut kv, mut sock) = (Vec::new(), Vec::new());
+    let (mut kv, mut sock, mut tls) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.latency_iters {
         kv.push(kv_once(&stx, &srx, 1).await?);
         sock.push(raw_small.once(small).await?);
+        if let Some((ttx, trx)) = &small_tls {
+            tls.push(kv_once(ttx, trx, 1).await?);
+        }
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
@@ -420,6 +482,14 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
         us(percentile(&sock, 0.99)),
         us(percentile(&kv, 0.5)) / us(percentile(&sock, 0.5)),
     );
+    if !tls.is_empty() {
+        println!(
+            "latency over TLS: tandem p50 {:.0} us, p99 {:.0} us; p50 ratio to plain {:.2}x",
+            us(percentile(&tls, 0.5)),
+            us(percentile(&tls, 0.99)),
+            us(percentile(&tls, 0.5)) / us(percentile(&kv, 0.5)),
+        );
+    }
     let m = tx.metrics();
     println!(
         "self-check: {} transfers sent, last at {:.2} GB/s as the sender measured it",

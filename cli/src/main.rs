@@ -7,6 +7,7 @@ mod bench;
 mod bench_disagg;
 mod bench_serve;
 mod bench_engine;
+mod cert;
 mod cluster;
 mod generate;
 mod kv;
@@ -49,6 +50,8 @@ enum Command {
     Up(cluster::UpArgs),
     /// Send a prompt to a router and stream the completion to stdout.
     Client(cluster::ClientArgs),
+    /// Make a throwaway CA and certificates signed by it (for --tls-* on a test or laptop cluster).
+    Cert(cert::CertArgs),
 }
 
 #[derive(Subcommand)]
@@ -154,5 +157,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Decode(args) => cluster::run_decode(args),
         Command::Up(args) => cluster::run_up(args),
         Command::Client(args) => cluster::run_client(args),
+        Command::Cert(args) => cert::run(args),
     }
 }

@@ -28,7 +28,7 @@ use tandem_proto::node::v1::prefill_client::PrefillClient;
 use tandem_proto::v1 as api;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -91,7 +91,7 @@ impl DecodeNode {
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let endpoint = tandem_node::tls::endpoint(addr, self.core.tls.as_deref())
             .map_err(|e| NodeError::InvalidArgument(format!("prefill address {addr:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2));
         let client = PrefillClient::new(endpoint.connect_lazy());

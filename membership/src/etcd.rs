@@ -50,12 +50,54 @@ pub struct EtcdOptions {
     pub request_timeout: Duration,
     /// Longest pause between two reconnection attempts. Default 2 s.
     pub max_backoff: Duration,
+    /// TLS toward etcd (`https://` endpoints); `None`: plain `http://`. Default `None`.
+    pub tls: Option<EtcdTls>,
 }
 
 impl Default for EtcdOptions {
     fn default() -> Self {
-        Self { ttl: Duration::from_secs(5), request_timeout: Duration::from_secs(2), max_backoff: Duration::from_secs(2) }
+        Self { ttl: Duration::from_secs(5), request_timeout: Duration::from_secs(2), max_backoff: Duration::from_secs(2), tls: None }
     }
+}
+
+/// TLS toward etcd: the CA its server certificate must chain to (it is also checked against the
+/// endpoint's host) and, for an etcd run with `--client-cert-auth`, a client certificate and key. PEM.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA certificate(s).
+    pub ca_pem: Vec<u8>,
+    /// This client's certificate and private key, if etcd asks for one.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls").field("client_cert", &self.identity.is_some()).finish_non_exhaustive()
+    }
+}
+
+impl EtcdTls {
+    fn options(&self) -> etcd_client::TlsOptions {
+        let mut tls = etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(&self.ca_pem));
+        if let Some((cert, key)) = &self.identity {
+            tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        tls
+    }
+}
+
+/// Refuses endpoints whose scheme does not match the TLS settings (an `https://` endpoint without a
+/// CA, or TLS settings with an `http://` endpoint): never a silent plaintext connection.
+fn check_schemes(endpoints: &[String], tls: bool) -> Result<()> {
+    for e in endpoints {
+        if tls && e.starts_with("http://") {
+            return Err(Error::InvalidOptions(format!("etcd endpoint {e:?} is http:// but TLS is configured: use https://")));
+        }
+        if !tls && e.starts_with("https://") {
+            return Err(Error::InvalidOptions(format!("etcd endpoint {e:?} is https:// but no CA is configured to verify it")));
+        }
+    }
+    Ok(())
 }
 
 impl EtcdOptions {
@@ -93,6 +135,7 @@ impl EtcdMembership {
         if endpoints.is_empty() {
             return Err(Error::InvalidOptions("no etcd endpoints".into()));
         }
+        check_schemes(endpoints, opts.tls.is_some())?;
         let trimmed = cluster_prefix.trim_end_matches('/');
         if trimmed.is_empty() {
             return Err(Error::InvalidPrefix { prefix: cluster_prefix.to_owned(), reason: "empty" });
@@ -127,9 +170,12 @@ pub(crate) struct Connector {
 impl Connector {
     /// A new client (connections are made lazily, on the first request).
     pub(crate) async fn connect(&self) -> Result<Client> {
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(self.opts.request_timeout)
             .with_keep_alive(HTTP2_PING_INTERVAL, HTTP2_PING_TIMEOUT);
+        if let Some(tls) = &self.opts.tls {
+            options = options.with_tls(tls.options());
+        }
         self.bounded("connect", Client::connect(&self.endpoints, Some(options))).await
     }
 
@@ -196,6 +242,15 @@ mod tests {
         for opts in bad {
             assert!(matches!(opts.validate(), Err(Error::InvalidOptions(_))), "{opts:?}");
         }
+    }
+
+    #[test]
+    fn endpoint_schemes_must_match_the_tls_settings() {
+        let (plain, tls) = (vec!["http://127.0.0.1:2379".to_owned()], vec!["https://127.0.0.1:2379".to_owned()]);
+        assert!(check_schemes(&plain, false).is_ok());
+        assert!(check_schemes(&tls, true).is_ok());
+        assert!(matches!(check_schemes(&plain, true), Err(Error::InvalidOptions(m)) if m.contains("http://")));
+        assert!(matches!(check_schemes(&tls, false), Err(Error::InvalidOptions(m)) if m.contains("no CA")));
     }
 
     #[test]

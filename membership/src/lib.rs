@@ -57,7 +57,7 @@ mod registration;
 use tokio::sync::watch;
 
 pub use error::{Error, Result};
-pub use etcd::EtcdOptions;
+pub use etcd::{EtcdOptions, EtcdTls};
 pub use node::{Load, MAX_NODE_ID_LEN, NodeInfo, NodeRole, validate_node_id};
 pub use registration::{LOAD_PUBLISH_INTERVAL, Registration};
 

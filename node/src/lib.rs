@@ -1,5 +1,5 @@
 //! What prefill and decode nodes share: the engine on its own thread, the KV cache registered for
-//! transfers, proto conversions and the one error → gRPC status mapping.
+//! transfers, proto conversions, the one error → gRPC status mapping, and TLS for every link.
 
 pub mod admission;
 pub mod convert;
@@ -9,6 +9,7 @@ pub mod kv;
 pub mod metrics;
 mod peers;
 mod setup;
+pub mod tls;
 pub mod trace;
 
 pub use engine_thread::{EngineThread, Event, TransferPlan};

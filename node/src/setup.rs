@@ -20,6 +20,7 @@ use tandem_proto::node::v1 as node;
 
 use crate::engine_thread::EngineThread;
 use crate::error::NodeError;
+use crate::tls::ClusterTls;
 use crate::{convert, kv};
 
 /// Where a node's weights come from.
@@ -57,6 +58,8 @@ pub struct NodeSetup {
     pub kv_config: ConnectorConfig,
     /// Overload limits (`--max-waiting-requests`).
     pub limits: crate::admission::Limits,
+    /// TLS for the node API, its calls to peers and the tcp KV backend; `None`: plaintext.
+    pub tls: Option<Arc<ClusterTls>>,
 }
 
 /// A started node's shared parts.
@@ -80,6 +83,8 @@ pub struct NodeCore {
     pub num_blocks: usize,
     /// The `Info` answer.
     pub info: node::InfoResponse,
+    /// TLS for the node API and its calls to peers (see [`crate::tls`]); `None`: plaintext.
+    pub tls: Option<Arc<ClusterTls>>,
     /// Requests accepted and not yet started, bounded by [`NodeSetup::limits`].
     pub admission: crate::admission::Gate,
 }
@@ -106,7 +111,7 @@ impl NodeCore {
         .await
         .map_err(|e| NodeError::Internal(format!("loading the model: {e}")))??;
         let on_gpu = matches!(engine.device(), tandem_engine::Device::Cuda { .. });
-        let spec = setup.kv_spec.clone().resolve(on_gpu);
+        let spec = with_kv_tls(setup.kv_spec.clone().resolve(on_gpu), setup.tls.as_deref());
         if spec.wants_device_memory() && !on_gpu {
             return Err(NodeError::InvalidArgument(format!("KV connector {spec:?} moves GPU memory: it needs --device cuda")));
         }
@@ -137,7 +142,8 @@ impl NodeCore {
             kv_backend: String::new(),
         };
         let admission = crate::admission::Gate::new(setup.limits);
-        Ok(NodeCore { engine, connector, geometry, model_name: setup.model_name, vocab_size, block_size, max_model_len, num_blocks, info, admission })
+        let tls = setup.tls;
+        Ok(NodeCore { engine, connector, geometry, model_name: setup.model_name, vocab_size, block_size, max_model_len, num_blocks, info, admission, tls })
     }
 
     /// The `Info` answer with the node's load now (blocks and queues read from the engine thread).
@@ -164,6 +170,24 @@ impl NodeCore {
             Some(t) => Err(NodeError::InvalidArgument(format!("token id {t} is outside the vocabulary of {}", self.vocab_size))),
             None => Ok(()),
         }
+    }
+}
+
+/// The KV connector spec with the cluster's TLS: the tcp backend runs mutual TLS with the node's
+/// certificate and CA. cuda-ipc (a Unix socket only this user can open) and inproc stay as they are;
+/// nccl's TCP control channel and plugins are not covered, which is logged as a warning.
+fn with_kv_tls(spec: ConnectorSpec, tls: Option<&ClusterTls>) -> ConnectorSpec {
+    let Some(tls) = tls else { return spec };
+    match spec {
+        ConnectorSpec::Tcp(mut opts) => {
+            opts.tls = Some(tls.kv());
+            ConnectorSpec::Tcp(opts)
+        }
+        spec @ (ConnectorSpec::Nccl(_) | ConnectorSpec::Plugin { .. }) => {
+            tracing::warn!(connector = ?spec, "--tls-* secures the tcp KV backend only: this KV connector's links are not authenticated by TLS");
+            spec
+        }
+        spec => spec,
     }
 }
 

@@ -34,7 +34,7 @@ use tandem_proto::v1::tandem_server::Tandem;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 use tracing::Instrument;
 
@@ -155,6 +155,8 @@ struct Inner {
     admission: admission::Admission,
 }
 
+    /// TLS toward the nodes (set once, before the first call).
+    node_tls: std::sync::OnceLock<Arc<tandem_node::tls::ClusterTls>>,
 impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Router").field("policy", &self.inner.policy).finish()
@@ -212,6 +214,7 @@ impl Router {
         }
     }
 
+                node_tls: std::sync::OnceLock::new(),
     /// Requires one of `keys` (sent as `authorization: Bearer KEY`) on every request from now on;
     /// `None` opens the router to anyone who can reach it.
     pub fn set_api_keys(&self, keys: Option<Vec<String>>) {
@@ -221,6 +224,11 @@ impl Router {
     /// Sets the overload limits (`--max-waiting-requests`, `--max-queue-time-ms`; before serving).
     pub fn set_limits(&self, limits: Limits) {
         self.inner.admission.set(limits);
+    }
+
+    /// Calls nodes over mutual TLS with `tls` (set before serving; a second call is ignored).
+    pub fn set_node_tls(&self, tls: Arc<tandem_node::tls::ClusterTls>) {
+        let _ = self.inner.node_tls.set(tls);
     }
 
     /// Whether the router serves requests without an API key.
@@ -254,7 +262,7 @@ impl Router {
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let endpoint = tandem_node::tls::endpoint(addr, self.inner.node_tls.get().map(Arc::as_ref))
             .map_err(|e| NodeError::Internal(format!("node address {addr:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2));
         let c = DecodeClient::new(endpoint.connect_lazy());

@@ -49,11 +49,27 @@ pub enum DataDir {
     Wipe,
 }
 
+/// The TLS of an etcd started with [`EtcdServer::start_tls`]: clients are served over https with
+/// `cert`/`key` and must present a certificate of `ca` (`--client-cert-auth`).
+#[derive(Debug, Clone)]
+pub struct EtcdTlsFiles {
+    /// The CA client certificates must chain to.
+    pub ca: PathBuf,
+    /// etcd's server certificate.
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+}
+
 /// A running (or stopped) etcd server; killed on drop.
 #[derive(Debug)]
 pub struct EtcdServer {
     client_port: u16,
     peer_port: u16,
+    /// Where `/health` and `/metrics` are served over plain HTTP: the client port, or with TLS a
+    /// metrics port of its own.
+    health_port: u16,
+    tls: Option<EtcdTlsFiles>,
     dir: tempfile::TempDir,
     process: Option<Running>,
 }
@@ -71,6 +87,16 @@ impl EtcdServer {
     /// Panics if `/usr/bin/etcd` is missing (run `scripts/test.sh`, which installs etcd-server)
     /// or if etcd does not come up within 20 s.
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// [`EtcdServer::start`] serving clients over TLS only, with client certificates required
+    /// (`--client-cert-auth`); `/health` and `/metrics` stay plain HTTP on a port of their own.
+    pub fn start_tls(tls: EtcdTlsFiles) -> Self {
+        Self::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<EtcdTlsFiles>) -> Self {
         assert!(
             Path::new(ETCD_BIN).is_file(),
             "{ETCD_BIN} is missing: run scripts/test.sh, which installs the etcd-server package \
@@ -79,9 +105,12 @@ impl EtcdServer {
         let mut last_log = String::new();
         // A port picked here can be taken by someone else before etcd binds it: try a few pairs.
         for _ in 0..3 {
+            let client_port = free_port();
             let mut server = Self {
-                client_port: free_port(),
+                client_port,
                 peer_port: free_port(),
+                health_port: if tls.is_some() { free_port() } else { client_port },
+                tls: tls.clone(),
                 dir: tempfile::Builder::new().prefix("tandem-etcd-").tempdir().expect("temp dir for etcd"),
                 process: None,
             };
@@ -94,9 +123,10 @@ impl EtcdServer {
         panic!("etcd could not bind free ports:\n{last_log}");
     }
 
-    /// The client URL, `http://127.0.0.1:PORT`.
+    /// The client URL, `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// Whether etcd is running (not stopped).
@@ -148,7 +178,7 @@ impl EtcdServer {
     /// sets), e.g. `etcd_debugging_mvcc_watcher_total`; `None` when etcd is stopped or does not
     /// export it.
     pub fn metric(&self, name: &str) -> Option<f64> {
-        let body = http_get(self.client_port, "/metrics")?;
+        let body = http_get(self.health_port, "/metrics")?;
         let values: Vec<f64> = body
             .lines()
             .filter(|line| line.strip_prefix(name).is_some_and(|rest| rest.starts_with([' ', '{'])))
@@ -169,7 +199,7 @@ impl EtcdServer {
     /// log.
     fn spawn_and_wait(&mut self) -> Result<(), String> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path()).expect("etcd log file");
-        let client_url = format!("http://127.0.0.1:{}", self.client_port);
+        let client_url = self.endpoint();
         let peer_url = format!("http://127.0.0.1:{}", self.peer_port);
         let mut command = Command::new("/bin/sh");
         command
@@ -182,7 +212,19 @@ impl EtcdServer {
             .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
             .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("tandem-test={peer_url}"), "--initial-cluster-state", "new"])
-            .args(["--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"])
+            .args(["--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"]);
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.cert)
+                .arg("--key-file")
+                .arg(&tls.key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.ca)
+                .arg("--client-cert-auth")
+                .args(["--listen-metrics-urls", &format!("http://127.0.0.1:{}", self.health_port)]);
+        }
+        command
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(log);
@@ -198,7 +240,7 @@ impl EtcdServer {
 
         let deadline = Instant::now() + START_LIMIT;
         loop {
-            if healthy(self.client_port) {
+            if healthy(self.health_port) {
                 return Ok(());
             }
             let exited = self.process.as_mut().is_some_and(|p| matches!(p.guard.try_wait(), Ok(Some(_))));

@@ -1,6 +1,13 @@
 //! The TCP backend (tokio): one connection per peer endpoint, reused by every transfer to it and
 //! multiplexed chunk by chunk. Sends write block memory straight to the socket and receives read the
-//! socket straight into the destination blocks, so the only copies are the kernel's.
+//! socket straight into the destination blocks, so the only copies are the kernel's (with TLS, rustls
+//! encrypts from and decrypts into its own record buffers as well).
+//!
+//! With [`TcpOptions::tls`] every link is mutual TLS (rustls, ring): the accepting side presents its
+//! certificate and requires one from the dialling side that chains to the cluster CA; the dialling side
+//! verifies the acceptor's certificate against the same CA and the endpoint's host. A connection
+//! becomes a link only once its handshake succeeded, so a peer without a CA-signed certificate never
+//! gets a byte read as a frame, let alone a payload written into blocks.
 //!
 //! Invariants:
 //! - One writer at a time per connection (a FIFO mutex), and a message is written whole or the
@@ -13,17 +20,19 @@
 //! - An accepted connection holds nothing for free ([`TcpLimits`]): its first message must arrive
 //!   within the handshake timeout, every later one within the idle timeout of the previous, and each
 //!   message must arrive whole within the message timeout of its first byte; at most `max_incoming`
-//!   are open at once (more are closed at accept).
+//!   are open at once (more are closed at accept). With TLS, connections still in their handshake count
+//!   toward that cap and the handshake is bounded by the handshake timeout.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -63,12 +72,94 @@ pub struct TcpOptions {
     pub advertise: Option<String>,
     /// Deadlines and caps for accepted connections.
     pub limits: TcpLimits,
+    /// Mutual TLS on every link (see the module doc); `None`: plain TCP.
+    pub tls: Option<TcpTls>,
 }
 
 impl Default for TcpOptions {
     fn default() -> Self {
-        TcpOptions { bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), advertise: None, limits: TcpLimits::default() }
+        TcpOptions { bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), advertise: None, limits: TcpLimits::default(), tls: None }
     }
+}
+
+/// Mutual TLS for the TCP backend: this node's certificate and key, and the cluster CA that both the
+/// peers it accepts and the peers it dials must present a certificate of. Built with rustls' ring
+/// provider. Two values are equal when they share their configurations.
+#[derive(Clone)]
+pub struct TcpTls {
+    server: Arc<rustls::ServerConfig>,
+    client: Arc<rustls::ClientConfig>,
+}
+
+impl TcpTls {
+    /// Configurations from DER: `chain` (this node's certificate first), its `key`, and the `ca`
+    /// certificates peers' certificates must chain to. Fails on a key that does not match the
+    /// certificate, an unusable CA or key type.
+    pub fn new(chain: Vec<CertificateDer<'static>>, key: PrivateKeyDer<'static>, ca: &[CertificateDer<'static>]) -> Result<TcpTls> {
+        let bad = |what: &str, e: rustls::Error| Error::Invalid(format!("KV TLS {what}: {e}"));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in ca {
+            roots.add(cert.clone()).map_err(|e| bad("CA certificate", e))?;
+        }
+        let roots = Arc::new(roots);
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::clone(&roots), Arc::clone(&provider))
+            .build()
+            .map_err(|e| Error::Invalid(format!("KV TLS client verifier: {e}")))?;
+        let server = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad("protocol versions", e))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain.clone(), key.clone_key())
+            .map_err(|e| bad("certificate or key", e))?;
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad("protocol versions", e))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)
+            .map_err(|e| bad("certificate or key", e))?;
+        Ok(TcpTls { server: Arc::new(server), client: Arc::new(client) })
+    }
+
+    /// From configurations built elsewhere (tests use this to dial with a client that presents no
+    /// certificate, or one of another CA).
+    pub fn from_configs(server: Arc<rustls::ServerConfig>, client: Arc<rustls::ClientConfig>) -> TcpTls {
+        TcpTls { server, client }
+    }
+}
+
+impl std::fmt::Debug for TcpTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TcpTls { mutual }")
+    }
+}
+
+impl PartialEq for TcpTls {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.server, &other.server) && Arc::ptr_eq(&self.client, &other.client)
+    }
+}
+
+impl Eq for TcpTls {}
+
+/// A link's reading and writing halves: a plain socket's, or a TLS stream's.
+type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+
+fn split_plain(stream: TcpStream) -> (ReadHalf, WriteHalf) {
+    let (rd, wr) = stream.into_split();
+    (Box::new(rd), Box::new(wr))
+}
+
+fn split_tls<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(stream: S) -> (ReadHalf, WriteHalf) {
+    let (rd, wr) = tokio::io::split(stream);
+    (Box::new(rd), Box::new(wr))
+}
+
+/// The host of `HOST:PORT` (brackets of an IPv6 literal removed).
+fn host_of(addr: &str) -> &str {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host)
 }
 
 
@@ -76,6 +167,9 @@ impl Default for TcpOptions {
 pub struct TcpTransport {
     endpoint: String,
     limits: TcpLimits,
+    tls: Option<TcpTls>,
+    /// Accepted connections still in their TLS handshake.
+    handshaking: Arc<AtomicUsize>,
     inbox: Arc<dyn Inbox>,
     links: Mutex<HashMap<u64, Arc<TcpLink>>>,
     next_link: AtomicU64,
@@ -104,6 +198,8 @@ impl TcpTransport {
         let transport = Arc::new_cyclic(|me| TcpTransport {
             endpoint,
             limits: opts.limits,
+            tls: opts.tls.clone(),
+            handshaking: Arc::new(AtomicUsize::new(0)),
             inbox,
             links: Mutex::new(HashMap::new()),
             next_link: AtomicU64::new(1),
@@ -119,24 +215,52 @@ impl TcpTransport {
                     continue;
                 };
                 let Some(t) = me.upgrade() else { return };
-                let incoming = lock(&t.links).values().filter(|l| l.incoming).count();
+                let incoming = lock(&t.links).values().filter(|l| l.incoming).count() + t.handshaking.load(Ordering::Acquire);
                 if incoming >= t.limits.max_incoming {
                     tracing::warn!(%peer, max = t.limits.max_incoming, "KV connection refused: too many incoming connections are open");
                     drop(stream);
                     continue;
                 }
-                t.adopt(stream, peer.to_string(), true);
+                match &t.tls {
+                    None => {
+                        let _ = stream.set_nodelay(true);
+                        t.adopt(split_plain(stream), peer.to_string(), true);
+                    }
+                    Some(tls) => t.accept_tls(stream, peer, Arc::clone(&tls.server)),
+                }
             }
         });
         *lock(&transport.accept) = Some(task);
         Ok(transport)
     }
 
+    /// Runs an accepted connection's TLS handshake in a task of its own (bounded by the handshake
+    /// timeout, counted toward `max_incoming`) and adopts it as a link only if the peer presented a
+    /// certificate of the cluster CA.
+    fn accept_tls(&self, stream: TcpStream, peer: SocketAddr, config: Arc<rustls::ServerConfig>) {
+        let _ = stream.set_nodelay(true);
+        let me = self.me.clone();
+        let handshaking = Arc::clone(&self.handshaking);
+        handshaking.fetch_add(1, Ordering::AcqRel);
+        let timeout = self.limits.handshake;
+        tokio::spawn(async move {
+            let accepted = tokio::time::timeout(timeout, tokio_rustls::TlsAcceptor::from(config).accept(stream)).await;
+            handshaking.fetch_sub(1, Ordering::AcqRel);
+            match accepted {
+                Ok(Ok(tls)) => {
+                    if let Some(t) = me.upgrade() {
+                        t.adopt(split_tls(tls), peer.to_string(), true);
+                    }
+                }
+                Ok(Err(e)) => tracing::warn!(%peer, error = %e, "KV connection refused: TLS handshake failed"),
+                Err(_) => tracing::warn!(%peer, "KV connection refused: no TLS handshake in {timeout:?}"),
+            }
+        });
+    }
+
     /// Registers a connected stream as a link and starts its reader. `incoming`: accepted here (held to
     /// the idle and handshake deadlines), not dialled.
-    fn adopt(&self, stream: TcpStream, peer: String, incoming: bool) -> Arc<TcpLink> {
-        let _ = stream.set_nodelay(true);
-        let (rd, wr) = stream.into_split();
+    fn adopt(&self, (rd, wr): (ReadHalf, WriteHalf), peer: String, incoming: bool) -> Arc<TcpLink> {
         let (state, closed_rx) = LinkState::new(peer);
         let link = Arc::new(TcpLink {
             id: self.next_link.fetch_add(1, Ordering::Relaxed),
@@ -177,7 +301,21 @@ impl Transport for TcpTransport {
                 return Err(Error::Shutdown);
             }
             let stream = TcpStream::connect(addr).await.map_err(|e| unreachable(e.to_string()))?;
-            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), false);
+            let _ = stream.set_nodelay(true);
+            let halves = match &self.tls {
+                None => split_plain(stream),
+                Some(tls) => {
+                    let name = ServerName::try_from(host_of(addr).to_string())
+                        .map_err(|e| unreachable(format!("no TLS server name in {addr:?}: {e}")))?;
+                    let handshake = tokio_rustls::TlsConnector::from(Arc::clone(&tls.client)).connect(name, stream);
+                    let tls = tokio::time::timeout(self.limits.handshake, handshake)
+                        .await
+                        .map_err(|_| unreachable(format!("no TLS handshake in {:?}", self.limits.handshake)))?
+                        .map_err(|e| unreachable(format!("TLS handshake: {e}")))?;
+                    split_tls(tls)
+                }
+            };
+            let link: Arc<dyn Link> = self.adopt(halves, endpoint.to_string(), false);
             Ok(link)
         })
     }
@@ -204,7 +342,7 @@ impl Drop for TcpTransport {
 struct TcpLink {
     id: u64,
     incoming: bool,
-    writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
+    writer: tokio::sync::Mutex<Option<WriteHalf>>,
     state: LinkState,
 }
 
@@ -225,6 +363,8 @@ impl TcpLink {
             let bytes = unsafe { std::slice::from_raw_parts(iov.addr as *const u8, iov.len) };
             wr.write_all(bytes).await.map_err(|e| self.state.err(e.to_string()))?;
         }
+        // TLS keeps the last record buffered until flushed (a no-op on a plain socket).
+        wr.flush().await.map_err(|e| self.state.err(e.to_string()))?;
         torn.disarm();
         Ok(())
     }
@@ -259,7 +399,7 @@ struct Reader {
 const SCRATCH: usize = 64 * 1024;
 
 impl Reader {
-    async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
+    async fn run(self, rd: ReadHalf, mut closed: watch::Receiver<Closed>) {
         let mut rd = BufReader::with_capacity(SCRATCH, rd);
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
         let mut first = true;
@@ -321,7 +461,7 @@ impl Reader {
 
     async fn one_message(
         &self,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut BufReader<ReadHalf>,
         link: &Arc<dyn Link>,
         closed: &mut watch::Receiver<Closed>,
         deadline: Option<tokio::time::Instant>,

@@ -17,6 +17,7 @@ mod request;
 mod respond;
 mod wire;
 
+pub mod tls;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -128,6 +129,18 @@ pub async fn serve(
 
 pub(crate) fn json_response(status: StatusCode, body: String) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+/// [`serve`] over HTTPS: TLS with `config` (see [`tls`]).
+pub async fn serve_tls(
+    router: Router,
+    listener: TcpListener,
+    config: Arc<tokio_rustls::rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(tls::TlsListener::new(listener, config)?, app(router))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
 }
 
 /// The body, at most [`MAX_BODY`] bytes of it.
