@@ -97,6 +97,10 @@ pub(crate) struct RouterArgs {
     /// How to pick a decode node: least-load, prefix-aware or round-robin.
     #[arg(long, default_value = "least-load")]
     policy: Policy,
+    /// Times one request may move to another decode node when the node serving it fails mid-stream
+    /// (its stream continues from the next token); then, or with 0, the stream ends with UNAVAILABLE.
+    #[arg(long, value_name = "N", default_value_t = tandem_router::DEFAULT_MAX_MIGRATIONS)]
+    max_migrations: u32,
     #[command(flatten)]
     limits: overload::RouterLimitArgs,
     /// Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -658,6 +662,7 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
     let tls = args.tls.load()?;
         let http = bind_optional(args.http_listen).await?;
         let router = Router::new(nodes.clone(), args.policy);
+        router.set_max_migrations(args.max_migrations);
         router.set_limits(args.limits.limits());
         api_keys(&router, args.api_key_file.as_deref(), true)?;
         let health = router_health(&router, nodes).await;

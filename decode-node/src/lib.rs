@@ -8,6 +8,8 @@
 //!   (finished, client gone, prefill failure) the transfer is cancelled and awaited before the engine
 //!   frees the blocks, so no backend writes into reused blocks.
 //! - A client that goes away aborts the request within one engine step.
+//! - A migrated request (`DecodeRequest.generated` > 0: its last prompt ids are output another node
+//!   already streamed) is prefilled here, never remotely, and its usage counts those ids as output.
 //! - At most `--max-waiting-requests` requests are accepted and without a first token; one more is
 //!   refused at once with RESOURCE_EXHAUSTED, holding nothing. A request whose `grpc-timeout` passes
 //!   ends with DEADLINE_EXCEEDED and is cleaned up like a cancelled one (transfer cancelled, blocks
@@ -105,9 +107,18 @@ impl DecodeNode {
         let prompt = req.prompt.clone();
         let cached = self.core.engine.cached_prefix_len(prompt.clone()).await?;
         let uncached = prompt.len() - cached.min(prompt.len());
-        let mut remote = !req.prefill_addr.is_empty() && uncached >= self.opts.local_prefill_below;
+        // A migrated request's first new token must be sampled with the streamed tokens as output
+        // (penalties, the seeded RNG's position), which only this node's engine knows: it prefills here.
+        let generated = req.generated as usize;
+        let mut remote = generated == 0 && !req.prefill_addr.is_empty() && uncached >= self.opts.local_prefill_below;
         if !remote {
-            let reason = if req.prefill_addr.is_empty() { "no_prefill_node" } else { "short_prompt" };
+            let reason = if generated > 0 {
+                "migrated"
+            } else if req.prefill_addr.is_empty() {
+                "no_prefill_node"
+            } else {
+                "short_prompt"
+            };
             tandem_node::metrics::node().local_prefills.inc(&[reason]);
         }
         let mut timings = format!("cached={cached}");
@@ -150,13 +161,20 @@ impl DecodeNode {
             None => {
                 span.record("prefill", "local");
                 phase.start(tracing::info_span!("queue"));
-                let (id, events) = self.core.engine.add(prompt.clone(), params, None).await?;
+                let (id, events) = if generated > 0 {
+                    timings.push_str(&format!(" resumed={generated}"));
+                    self.core.engine.add_resumed(prompt.clone(), generated, params).await?
+                } else {
+                    self.core.engine.add(prompt.clone(), params, None).await?
+                };
                 state.engine_id = Some(id);
                 timings.push_str(" prefill=local");
                 events
             }
         };
-        let mut completion_tokens = 0u32;
+        // Usage counts a migrated request's streamed tokens as output, not prompt.
+        let prompt_tokens = (prompt.len() - generated) as u32;
+        let mut completion_tokens = generated as u32;
         let mut first_token_at = None;
         let mut generate = tracing::Span::none();
         while let Some(event) = events.recv().await {
@@ -174,7 +192,8 @@ impl DecodeNode {
                     let mut msg = convert::output_to_proto(&req.request_id, &out);
                     let done = out.finish.is_some();
                     if done {
-                        msg.usage = Some(api::Usage { prompt_tokens: prompt.len() as u32, completion_tokens, cached_tokens: cached as u32 });
+                        let cached_tokens = (cached as u32).min(prompt_tokens);
+                        msg.usage = Some(api::Usage { prompt_tokens, completion_tokens, cached_tokens });
                     }
                     if tx.send(Ok(msg)).await.is_err() {
                         return Err(NodeError::Internal("client went away".into()));
@@ -185,7 +204,7 @@ impl DecodeNode {
                         generate.record("completion_tokens", completion_tokens);
                         tracing::info!(
                             request_id = %req.request_id,
-                            prompt_tokens = prompt.len(),
+                            prompt_tokens,
                             completion_tokens,
                             ttft_ms = first_token_at.map(|t| tandem_node::ms(t - t0)).unwrap_or(0.0),
                             total_ms = tandem_node::ms(t0.elapsed()),
@@ -348,6 +367,9 @@ impl Decode for DecodeNode {
         let (metadata, _, req) = request.into_parts();
         let deadline = admission::deadline_after(tokio::time::Instant::now(), admission::grpc_timeout(&metadata)?);
         self.core.check_tokens(&req.prompt)?;
+        if req.generated as usize >= req.prompt.len().max(1) {
+            return Err(Status::invalid_argument(format!("{} generated tokens leave no prompt among {}", req.generated, req.prompt.len())));
+        }
         let params = convert::sampling_from_proto(req.sampling.as_ref())?;
         if params.n != 1 {
             return Err(Status::invalid_argument("n > 1 is not served by the cluster"));

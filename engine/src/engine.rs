@@ -508,21 +508,50 @@ impl Engine {
         }
     }
 
-    fn new_state(&mut self, prompt: Vec<u32>, params: SamplingParams) -> (RequestId, RequestState) {
+    /// A request's state: `tokens` is its prompt followed by `generated` output tokens it resumes
+    /// (see [`Self::add_resumed_request`]), and `params.max_tokens` counts the tokens still to come.
+    /// Checks what validation cannot see of a resumed output (it must not have finished already).
+    fn new_state(&mut self, tokens: &[u32], generated: usize, mut params: SamplingParams) -> Result<(RequestId, RequestState)> {
+        if generated > 0 && params.n != 1 {
+            return Err(Error::InvalidResume(format!("a resumed request has one sequence (n is {})", params.n)));
+        }
+        if generated >= tokens.len() {
+            return Err(Error::InvalidResume(format!("{generated} generated tokens leave no prompt among {} tokens", tokens.len())));
+        }
+        let (prompt, output) = tokens.split_at(tokens.len() - generated);
+        let seed = params.seed.unwrap_or_else(|| self.rng.random());
+        params.max_tokens = params.max_tokens.saturating_add(generated);
+        let mut first = SeqState::new(&params, prompt, seed, 0);
+        first.resume(&self.tokenizer, &params, output)?;
+        let usage = Usage { prompt_tokens: prompt.len(), completion_tokens: generated, ..Usage::default() };
         let id = RequestId(self.next_id);
         self.next_id += 1;
-        let seed = params.seed.unwrap_or_else(|| self.rng.random());
-        let first = SeqState::new(&params, &prompt, seed, 0);
-        let usage = Usage { prompt_tokens: prompt.len(), ..Usage::default() };
-        (id, RequestState { params, prompt, seqs: vec![first], seed, usage, scheduled: false, held: None, received: Vec::new() })
+        let state = RequestState { params, prompt: prompt.to_vec(), seqs: vec![first], seed, usage, scheduled: false, held: None, received: Vec::new() };
+        Ok((id, state))
     }
 
     /// Validates and queues a request; returns its id.
     pub fn add_request(&mut self, prompt: &Prompt, params: SamplingParams) -> Result<RequestId> {
         let ids = self.tokenize(prompt)?;
-        self.validate_request(&ids, &params)?;
-        let (id, state) = self.new_state(ids, params);
-        self.sched.add_request(NewRequest { id, prompt: state.prompt.clone(), n: state.params.n, max_tokens: state.params.max_tokens })?;
+        self.add_resumed_request(ids, 0, params)
+    }
+
+    /// Validates and queues a request that continues output another engine produced (a request the
+    /// router migrated off a failed node): `tokens` is the prompt followed by the `generated` output
+    /// tokens the client already received, and `params.max_tokens` counts only the tokens still to
+    /// come. The engine computes the KV of all of `tokens` as it would a prompt's (prefix cache,
+    /// chunked prefill), but the last `generated` are the sequence's output: penalties see them as
+    /// output, usage and `max_tokens` count them, the detokenizer and stop matcher are replayed over
+    /// them (so the first text delta continues exactly where the other engine's stream stopped, text it
+    /// held back included), and the sampler skips the draws they took (a seeded request draws next what
+    /// an uninterrupted run on one engine would). [`Error::InvalidResume`] for `n` > 1, no prompt left,
+    /// or an output that had already finished (a stop token or stop string in it). `generated` 0 is
+    /// [`Self::add_request`] with token ids.
+    pub fn add_resumed_request(&mut self, tokens: Vec<u32>, generated: usize, params: SamplingParams) -> Result<RequestId> {
+        self.validate_request(&tokens, &params)?;
+        let max_tokens = params.max_tokens;
+        let (id, state) = self.new_state(&tokens, generated, params)?;
+        self.sched.add_request(NewRequest { id, prompt: tokens, n: state.params.n, max_tokens })?;
         self.requests.insert(id, state);
         Ok(id)
     }
@@ -540,12 +569,12 @@ impl Engine {
     /// `kv_ready` is stream-ordered after that step).
     pub fn add_remote_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<(RequestId, RemoteAlloc)> {
         self.validate_request(&prompt, &params)?;
+        let (id, mut state) = self.new_state(&prompt, 0, params)?;
         // Before allocating: nothing is enqueued between this wait and the hand-out.
         self.backend.fence_remote_writes()?;
-        let (id, mut state) = self.new_state(prompt, params);
         let alloc = self.sched.allocate_remote(NewRequest {
             id,
-            prompt: state.prompt.clone(),
+            prompt,
             n: state.params.n,
             max_tokens: state.params.max_tokens,
         })?;
@@ -657,11 +686,13 @@ impl Engine {
         for chunk in &schedule.chunks {
             if let Some(req) = self.requests.get_mut(&chunk.seq.request).filter(|r| !r.scheduled) {
                 req.scheduled = true;
-                req.usage.cached_tokens = chunk.start_pos;
+                // A resumed request's cache hit may reach into its output: count only prompt tokens.
+                let cached = chunk.start_pos.min(req.prompt.len());
+                req.usage.cached_tokens = cached;
                 self.first_scheduled.push(FirstScheduled {
                     request: chunk.seq.request,
                     prompt_tokens: req.prompt.len(),
-                    cached_tokens: chunk.start_pos,
+                    cached_tokens: cached,
                 });
             }
         }
@@ -967,5 +998,25 @@ impl SeqState {
             stop: StopMatcher::new(&params.stop),
             finished: false,
         }
+    }
+
+    /// Takes `output` as tokens this sequence already produced: replays the detokenizer and the stop
+    /// matcher over them exactly as [`Engine::accept_token`] would have (discarding the text, which
+    /// the client already has, but keeping what they hold back) and skips the sampler's draws. An
+    /// output that would have finished (a stop token, a stop string) cannot be resumed.
+    fn resume(&mut self, tokenizer: &Tokenizer, params: &SamplingParams, output: &[u32]) -> Result<()> {
+        let eos = tokenizer.eos_token_ids();
+        for (i, &token) in output.iter().enumerate() {
+            if (!params.ignore_eos && eos.contains(&token)) || params.stop_token_ids.contains(&token) {
+                return Err(Error::InvalidResume(format!("output token {i} ({token}) is a stop token")));
+            }
+            let delta = self.detok.push(tokenizer, token)?;
+            if let StopOutcome::Stopped(_) = self.stop.push(&delta) {
+                return Err(Error::InvalidResume(format!("the output completes a stop string at token {i}")));
+            }
+            self.output.push(token);
+        }
+        self.sampler.skip_steps(output.len());
+        Ok(())
     }
 }

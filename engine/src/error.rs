@@ -51,6 +51,10 @@ pub enum Error {
     /// The prompt is empty.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// A resumed request's already-generated output is not one the engine can continue (longer
+    /// than the tokens, with `n` > 1, or an output that had already finished).
+    #[error("cannot resume the request: {0}")]
+    InvalidResume(String),
     /// Prompt plus requested output exceed the model's context window.
     #[error("prompt has {prompt} tokens; with max_tokens {max_tokens} that exceeds the context limit of {limit} tokens")]
     PromptTooLong {

@@ -66,6 +66,7 @@ enum Cmd {
     Validate { prompt: Vec<u32>, params: SamplingParams, reply: Reply<()> },
     Add { prompt: Vec<u32>, params: SamplingParams, plan: Option<TransferPlan>, events: mpsc::UnboundedSender<Event>, reply: Reply<RequestId> },
     AddRemote { prompt: Vec<u32>, params: SamplingParams, events: mpsc::UnboundedSender<Event>, reply: Reply<(RequestId, RemoteAlloc)> },
+    AddResumed { tokens: Vec<u32>, generated: usize, params: SamplingParams, events: mpsc::UnboundedSender<Event>, reply: Reply<RequestId> },
     KvReady { id: RequestId, first_token: u32, logprob: Option<TokenLogprob>, reply: Reply<()> },
     Abort { id: RequestId },
     Release { id: RequestId },
@@ -128,6 +129,20 @@ impl EngineThread {
     ) -> Result<(RequestId, mpsc::UnboundedReceiver<Event>), EngineError> {
         let (events, rx) = mpsc::unbounded_channel();
         let id = self.ask(|reply| Cmd::Add { prompt, params, plan, events, reply }).await?;
+        Ok((id, rx))
+    }
+
+    /// Queues a migrated request that prefills here: `tokens` is its prompt followed by the
+    /// `generated` tokens another node already streamed, `params.max_tokens` counts the rest (see
+    /// `Engine::add_resumed_request`).
+    pub async fn add_resumed(
+        &self,
+        tokens: Vec<u32>,
+        generated: usize,
+        params: SamplingParams,
+    ) -> Result<(RequestId, mpsc::UnboundedReceiver<Event>), EngineError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let id = self.ask(|reply| Cmd::AddResumed { tokens, generated, params, events, reply }).await?;
         Ok((id, rx))
     }
 
@@ -311,6 +326,13 @@ impl Worker {
                 let r = self.engine.add_request(&tandem_engine::engine::Prompt::Tokens(prompt), params);
                 if let Ok(id) = &r {
                     self.live.insert(*id, Live { events, plan, queued_at: Instant::now() });
+                }
+                let _ = reply.send(r);
+            }
+            Cmd::AddResumed { tokens, generated, params, events, reply } => {
+                let r = self.engine.add_resumed_request(tokens, generated, params);
+                if let Ok(id) = &r {
+                    self.live.insert(*id, Live { events, plan: None, queued_at: Instant::now() });
                 }
                 let _ = reply.send(r);
             }

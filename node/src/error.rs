@@ -42,7 +42,7 @@ impl From<NodeError> for Status {
     fn from(e: NodeError) -> Status {
         use tandem_engine::Error as E;
         let code = match &e {
-            NodeError::Engine(E::EmptyPrompt | E::PromptTooLong { .. } | E::InvalidSampling(_) | E::Tokenizer(_) | E::ChatTemplate(_)) => {
+            NodeError::Engine(E::EmptyPrompt | E::InvalidResume(_) | E::PromptTooLong { .. } | E::InvalidSampling(_) | E::Tokenizer(_) | E::ChatTemplate(_)) => {
                 Code::InvalidArgument
             }
             NodeError::Engine(E::KvPoolFull { .. } | E::CapacityExceeded { .. }) => Code::ResourceExhausted,

@@ -15,11 +15,12 @@ mod auth;
 mod grpc;
 pub mod http;
 mod metrics;
+mod migrate;
 pub mod policy;
 mod relay;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,6 +43,7 @@ pub use auth::{MAX_KEY_LEN, read_key_file};
 pub use grpc::Service;
 pub use policy::Policy;
 pub(crate) use relay::Relay;
+pub use migrate::DEFAULT_MAX_MIGRATIONS;
 pub(crate) use admission::Admitted;
 pub use admission::{DEADLINE_MARGIN, DEFAULT_MAX_WAITING, Limits};
 
@@ -153,6 +155,8 @@ struct Inner {
     next_id: AtomicUsize,
     keys: auth::ApiKeys,
     admission: admission::Admission,
+    /// Re-issues of one request after decode-node failures (`--max-migrations`).
+    max_migrations: AtomicU32,
 }
 
     /// TLS toward the nodes (set once, before the first call).
@@ -210,6 +214,7 @@ impl Router {
                 next_id: AtomicUsize::new(1),
                 keys: auth::ApiKeys::default(),
                 admission: admission::Admission::default(),
+                max_migrations: AtomicU32::new(DEFAULT_MAX_MIGRATIONS),
             }),
         }
     }
@@ -229,6 +234,16 @@ impl Router {
     /// Calls nodes over mutual TLS with `tls` (set before serving; a second call is ignored).
     pub fn set_node_tls(&self, tls: Arc<tandem_node::tls::ClusterTls>) {
         let _ = self.inner.node_tls.set(tls);
+    }
+
+    /// How many times one request may move to another decode node after the one serving it failed
+    /// (`--max-migrations`; 0 turns migration off).
+    pub fn set_max_migrations(&self, n: u32) {
+        self.inner.max_migrations.store(n, Ordering::Relaxed);
+    }
+
+    fn max_migrations(&self) -> u32 {
+        self.inner.max_migrations.load(Ordering::Relaxed)
     }
 
     /// Whether the router serves requests without an API key.
@@ -469,24 +484,47 @@ impl Router {
             prefill = prefill.as_ref().map(|p| p.id.as_str()).unwrap_or("local"),
             "routed"
         );
-        let mut client = self.client(&decode.grpc_addr)?;
+        // What migration needs to continue the stream elsewhere (max_tokens resolved as the node will).
+        let max_tokens = convert::sampling_from_proto(Some(&routed.sampling))?.max_tokens;
+        let cont = migrate::Continuation::new(
+            routed.request_id.clone(),
+            routed.prompt.clone(),
+            routed.sampling.clone(),
+            u32::try_from(max_tokens).unwrap_or(u32::MAX),
+        );
         let call = node::DecodeRequest {
             request_id: routed.request_id.clone(),
             prompt: routed.prompt,
             sampling: Some(routed.sampling),
             prefill_addr: prefill.map(|p| p.grpc_addr).unwrap_or_default(),
+            generated: 0,
         };
+        let stream = self.call_decode(&decode, call, deadline, &span).await?;
+        let origin = migrate::Origin { model: routed.model.clone(), node: decode, deadline, span: span.clone() };
+        Ok(Relay::new(
+            relay::Opened { request_id: routed.request_id, model: routed.model, tokenizer: routed.tokenizer, started, span },
+            migrate::Upstream::new(self.clone(), origin, cont, stream),
+        ))
+    }
+
+    /// Calls `decode`'s `Generate` inside `span`, with what is left of `deadline` as its `grpc-timeout`:
+    /// a new request, or one continuing on another node (migration). A node that fails the call is
+    /// quarantined (UNAVAILABLE).
+    async fn call_decode(
+        &self,
+        decode: &NodeInfo,
+        call: node::DecodeRequest,
+        deadline: Option<tokio::time::Instant>,
+        span: &tracing::Span,
+    ) -> Result<tonic::Streaming<api::GenerateResponse>, NodeError> {
+        let mut client = self.client(&decode.grpc_addr)?;
         let mut call = Request::new(call);
         if let Some(d) = deadline {
             call.set_timeout(d.saturating_duration_since(tokio::time::Instant::now()));
         }
-        tandem_node::trace::inject(&span, call.metadata_mut());
+        tandem_node::trace::inject(span, call.metadata_mut());
         match client.generate(call).instrument(span.clone()).await {
-            Ok(stream) => Ok(Relay::new(
-                self.clone(),
-                relay::Opened { request_id: routed.request_id, model: routed.model, tokenizer: routed.tokenizer, decode_id: decode.id, started, span },
-                stream.into_inner(),
-            )),
+            Ok(stream) => Ok(stream.into_inner()),
             Err(s) => {
                 if matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Cancelled) {
                     self.quarantine(&decode.id);

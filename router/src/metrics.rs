@@ -27,6 +27,8 @@ pub(crate) struct RouterMetrics {
     pub(crate) running: Gauge,
     pub(crate) routing: CounterVec,
     pub(crate) membership: CounterVec,
+    /// Requests moved to another decode node after theirs failed, by cause (see [`crate::migrate`]).
+    pub(crate) migrations: CounterVec,
     pub(crate) rejected: CounterVec,
 }
 
@@ -40,6 +42,7 @@ static METRICS: LazyLock<RouterMetrics> = LazyLock::new(|| RouterMetrics {
     running: Gauge::default(),
     routing: CounterVec::new(&["policy", "prefill"]),
     membership: CounterVec::new(&["role", "change"]),
+    migrations: CounterVec::new(&["cause"]),
     rejected: CounterVec::new(&["reason"]),
 });
 
@@ -154,6 +157,11 @@ pub(crate) fn render(nodes: (u32, u32), queued: (usize, usize)) -> String {
         "tandem:requests_rejected_total",
         "Requests refused or ended by overload protection, by reason (queue_full, nodes_full, deadline, queue_time).",
         &m.rejected,
+    );
+    e.counters(
+        "tandem:request_migrations_total",
+        "Requests re-issued to another decode node after theirs failed mid-stream, by cause (stream_error, stream_ended, left_membership).",
+        &m.migrations,
     );
     e.counters(
         "tandem:routing_decisions_total",

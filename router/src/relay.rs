@@ -3,57 +3,62 @@
 //! Invariants:
 //! - Dropping a [`Relay`] drops the decode node's stream, which aborts the request there (and its
 //!   prefill); a relay dropped before the last message logs that it was cancelled.
-//! - A decode node that fails mid-stream (unavailable, or an unknown error) is quarantined and the
-//!   failure reaches the caller as UNAVAILABLE; the relay ends after its first error.
+//! - A decode node that fails mid-stream is quarantined and the request continues on another decode
+//!   node without a repeated or skipped token (see [`crate::migrate`]); when it cannot, the failure
+//!   reaches the caller as UNAVAILABLE. The relay ends after its first error.
 //! - The relay is where the router's latency metrics are measured (see [`crate::metrics`]): it counts
 //!   as running from [`Relay::new`] to its drop.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use tandem_engine::tokenizer::Tokenizer;
 use tandem_proto::v1 as api;
 use tokio_stream::Stream;
-use tonic::{Code, Status};
+use tonic::Status;
 
-use crate::Router;
+use crate::migrate::Upstream;
 
 /// What the router decided for a request it opened.
 pub(crate) struct Opened {
     pub(crate) request_id: String,
     pub(crate) model: String,
     pub(crate) tokenizer: Arc<Tokenizer>,
-    pub(crate) decode_id: String,
     /// When the request reached the router (TTFT and end-to-end latency count from here).
     pub(crate) started: Instant,
     /// The request's span: it ends when the relay is dropped.
     pub(crate) span: tracing::Span,
 }
 
-/// An opened request: a stream of the decode node's messages, the last one carrying the finish reason
+type Item = Option<Result<api::GenerateResponse, Status>>;
+
+/// The upstream, idle between messages or busy fetching the next one (it owns itself meanwhile, so
+/// dropping the relay drops whatever call is in flight).
+enum Next {
+    Idle(Box<Upstream>),
+    Busy(Pin<Box<dyn Future<Output = (Item, Box<Upstream>)> + Send>>),
+    Done,
+}
+
+/// An opened request: a stream of the decode nodes' messages, the last one carrying the finish reason
 /// and usage.
 pub(crate) struct Relay {
-    router: Router,
     opened: Opened,
-    upstream: tonic::Streaming<api::GenerateResponse>,
+    next: Next,
     ended: bool,
     /// When the last message with tokens arrived (none yet: the next one is the first token).
     last_token_at: Option<Instant>,
 }
 
 impl Relay {
-    pub(crate) fn new(
-        router: Router,
-        opened: Opened,
-        upstream: tonic::Streaming<api::GenerateResponse>,
-    ) -> Relay {
+    pub(crate) fn new(opened: Opened, upstream: Upstream) -> Relay {
         crate::metrics::router().running.inc();
         Relay {
-            router,
             opened,
-            upstream,
+            next: Next::Idle(Box::new(upstream)),
             ended: false,
             last_token_at: None,
         }
@@ -115,30 +120,37 @@ impl Stream for Relay {
         if self.ended {
             return Poll::Ready(None);
         }
-        let item = ready!(Pin::new(&mut self.upstream).poll_next(cx));
-        let item = match item {
-            None => {
-                self.ended = true;
-                None
-            }
-            Some(Ok(msg)) => {
-                self.ended = msg.finish_reason != api::FinishReason::Unspecified as i32;
-                self.record(&msg);
-                Some(Ok(msg))
-            }
-            Some(Err(s)) => {
-                self.ended = true;
-                if matches!(s.code(), Code::Unavailable | Code::Unknown) {
-                    self.router.quarantine(&self.opened.decode_id);
-                    Some(Err(Status::unavailable(format!(
-                        "the decode node failed mid-request: {}",
-                        s.message()
-                    ))))
-                } else {
-                    Some(Err(s))
+        let item = loop {
+            match std::mem::replace(&mut self.next, Next::Done) {
+                Next::Idle(mut up) => {
+                    self.next = Next::Busy(Box::pin(async move {
+                        let item = up.next().await;
+                        (item, up)
+                    }));
                 }
+                Next::Busy(mut fetching) => match fetching.as_mut().poll(cx) {
+                    Poll::Pending => {
+                        self.next = Next::Busy(fetching);
+                        return Poll::Pending;
+                    }
+                    Poll::Ready((item, up)) => {
+                        self.next = Next::Idle(up);
+                        break item;
+                    }
+                },
+                Next::Done => break None,
             }
         };
+        match &item {
+            None | Some(Err(_)) => self.ended = true,
+            Some(Ok(msg)) => {
+                self.ended = msg.finish_reason != api::FinishReason::Unspecified as i32;
+                self.record(msg);
+            }
+        }
+        if self.ended {
+            self.next = Next::Done; // drops the upstream (and its decode stream) at once
+        }
         Poll::Ready(item)
     }
 }

@@ -489,7 +489,7 @@ impl tandem_proto::node::v1::prefill_server::Prefill for EvilPrefill {
 
 async fn decode_directly(addr: &str, prompt: &[u32], prefill_addr: &str, max_tokens: u32) -> Result<Vec<u32>, tonic::Status> {
     let mut client = DecodeClient::connect(format!("http://{addr}")).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let req = node::DecodeRequest { request_id: "evil".into(), prompt: prompt.to_vec(), sampling: Some(greedy(max_tokens)), prefill_addr: prefill_addr.into() };
+    let req = node::DecodeRequest { request_id: "evil".into(), prompt: prompt.to_vec(), sampling: Some(greedy(max_tokens)), prefill_addr: prefill_addr.into(), ..Default::default() };
     let mut stream = client.generate(req).await?.into_inner();
     let mut ids = Vec::new();
     while let Some(msg) = stream.next().await {

@@ -198,6 +198,17 @@ impl Sampler {
         }
     }
 
+    /// Advances the RNG past `tokens` steps as [`Self::sample`] and [`Self::device_step`] would
+    /// have taken them (one uniform per non-greedy step, none when greedy): a sequence resuming
+    /// output another sampler produced draws next what that sampler would have.
+    pub fn skip_steps(&mut self, tokens: usize) {
+        if self.temperature != 0.0 {
+            for _ in 0..tokens {
+                let _: f64 = self.rng.random();
+            }
+        }
+    }
+
     /// The top logprobs of a step a device sampled, from the row after penalties (as the device
     /// wrote it back): the same distribution [`Self::sample`] reports (temperature-scaled for
     /// non-greedy steps, before truncation).
@@ -374,6 +385,25 @@ mod tests {
         assert_eq!(s.sample(&[-1.0, -1.0], &[], &[]).token, 0);
         assert_eq!(s.sample(&[f32::NAN, -5.0, f32::NAN], &[], &[]).token, 1);
         assert_eq!(s.sample(&[-0.0, 0.0], &[], &[]).token, 0);
+    }
+
+    #[test]
+    fn skipping_steps_draws_what_the_uninterrupted_sampler_draws_next() {
+        let p = params(|p| {
+            p.temperature = 0.9;
+            p.seed = Some(7);
+        });
+        let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
+        let mut whole = Sampler::new(&p, 7);
+        let run: Vec<u32> = (0..12).map(|_| whole.sample(&logits, &[], &[]).token).collect();
+        let mut resumed = Sampler::new(&p, 7);
+        resumed.skip_steps(5);
+        let rest: Vec<u32> = (0..7).map(|_| resumed.sample(&logits, &[], &[]).token).collect();
+        assert_eq!(rest, run[5..]);
+        let mut greedy = Sampler::new(&SamplingParams::greedy(), 7);
+        let before = greedy.rng.clone();
+        greedy.skip_steps(5);
+        assert_eq!(greedy.rng, before);
     }
 
     #[test]
