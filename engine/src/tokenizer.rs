@@ -96,6 +96,11 @@ impl Tokenizer {
     /// The shared loader; `dir`, when known, only names files in errors and logs.
     fn build(files: &TokenizerFiles, dir: Option<&Path>) -> Result<Self, Error> {
         let file = |name: &str| dir.map_or_else(|| PathBuf::from(name), |d| d.join(name));
+        // The tokenizers crate panics ("Helper") on a JSON syntax error inside some sections (the
+        // decoder's): check the syntax first so a bad file is an error, never a panic (found by fuzzing).
+        serde_json::from_str::<serde::de::IgnoredAny>(&files.tokenizer_json).map_err(|e| {
+            Error::Tokenizer(format!("invalid {}: {e}", file(TOKENIZER_JSON).display()))
+        })?;
         let inner = tokenizers::Tokenizer::from_bytes(files.tokenizer_json.as_bytes()).map_err(|e| {
             Error::Tokenizer(format!("invalid {}: {e}", file(TOKENIZER_JSON).display()))
         })?;
@@ -719,6 +724,22 @@ mod tests {
             tok.apply_chat_template(&[], true),
             Err(Error::ChatTemplate(_))
         ));
+    }
+
+    /// Found by the fuzzer (`fuzz/corpus/tokenizer/crash-decoder-control-character`): a control
+    /// character inside a string of the `decoder` section made the tokenizers crate panic.
+    #[test]
+    fn a_json_syntax_error_in_the_decoder_is_an_error_not_a_panic() {
+        let json = "{\"version\": \"1.0\", \"decoder\": {\"type\": \"By\u{1}teLevel\"}, \"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}}";
+        let files = TokenizerFiles {
+            tokenizer_json: json.into(),
+            tokenizer_config_json: None,
+            chat_template_jinja: None,
+            generation_config_json: None,
+            config_json: None,
+        };
+        let err = Tokenizer::from_files(&files).expect_err("refused");
+        assert!(matches!(err, Error::Tokenizer(_)), "{err}");
     }
 
     #[test]

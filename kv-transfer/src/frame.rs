@@ -7,7 +7,7 @@
 //!
 //! Invariants:
 //! - Decoding never panics and never allocates more than [`MAX_HEADER`] bytes, whatever the input
-//!   (fuzzed in `kv-transfer/fuzz`, random-tested below).
+//!   (fuzzed by `fuzz/` targets kv_frame and kv_handshake, random-tested below).
 //! - A header whose checksum does not match is refused as a whole: a corrupted frame header can never be
 //!   mistaken for a valid frame of another transfer.
 

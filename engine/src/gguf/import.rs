@@ -47,37 +47,13 @@ pub fn import_gguf(
     progress: &mut dyn FnMut(&ImportProgress),
 ) -> Result<ImportSummary> {
     let g = GgufFile::open(file)?;
-    // Fail fast, before any metadata is interpreted, on a tensor type tandem cannot convert.
-    if let Some(t) = g.tensors().iter().find(|t| t.ggml_type.layout().is_none()) {
-        return Err(g.error(format!(
-            "tensor {} has type {} which tandem cannot convert (supported: {})",
-            t.name,
-            t.ggml_type,
-            super::GgmlType::convertible_list()
-        )));
-    }
-    let architecture = g
-        .get("general.architecture")
-        .ok_or_else(|| g.error("metadata general.architecture is missing"))?
-        .as_str()
-        .ok_or_else(|| g.error("metadata general.architecture is not a string"))?
-        .to_string();
-    if architecture != llama::ARCH {
-        return Err(g.error(format!(
-            "architecture {architecture:?} is not supported (tandem converts \"{}\")",
-            llama::ARCH
-        )));
-    }
-    let params = LlamaParams::from_gguf(&g)?;
-    let plans = plan_tensors(&g, &params, opts.out_dtype)?;
-    let tied = !plans.iter().any(|p| p.hf_name == "lm_head.weight");
-    let tok = tokenizer::build(&g)?;
-    if tok.n_tokens > params.vocab_size {
-        return Err(g.error(format!(
-            "the tokenizer has {} tokens but the model's vocabulary is {}",
-            tok.n_tokens, params.vocab_size
-        )));
-    }
+    let Prepared {
+        architecture,
+        params,
+        plans,
+        tied,
+        tok,
+    } = prepare(&g, opts)?;
     let mut type_counts: BTreeMap<String, usize> = BTreeMap::new();
     for t in g.tensors() {
         *type_counts.entry(t.ggml_type.to_string()).or_default() += 1;
@@ -121,6 +97,109 @@ pub fn import_gguf(
         architecture,
         num_tensors: plans.len(),
         tensor_types: type_counts.into_iter().collect(),
+    })
+}
+
+/// What the checks before writing produced.
+struct Prepared {
+    architecture: String,
+    params: LlamaParams,
+    plans: Vec<Plan>,
+    tied: bool,
+    tok: tokenizer::TokenizerFiles,
+}
+
+/// Every check [`import_gguf`] makes before it writes anything: tensor types, architecture,
+/// hyperparameters, the tensor mapping and the tokenizer.
+fn prepare(g: &GgufFile, opts: &ImportOptions) -> Result<Prepared> {
+    // Fail fast, before any metadata is interpreted, on a tensor type tandem cannot convert.
+    if let Some(t) = g.tensors().iter().find(|t| t.ggml_type.layout().is_none()) {
+        return Err(g.error(format!(
+            "tensor {} has type {} which tandem cannot convert (supported: {})",
+            t.name,
+            t.ggml_type,
+            super::GgmlType::convertible_list()
+        )));
+    }
+    let architecture = g
+        .get("general.architecture")
+        .ok_or_else(|| g.error("metadata general.architecture is missing"))?
+        .as_str()
+        .ok_or_else(|| g.error("metadata general.architecture is not a string"))?
+        .to_string();
+    if architecture != llama::ARCH {
+        return Err(g.error(format!(
+            "architecture {architecture:?} is not supported (tandem converts \"{}\")",
+            llama::ARCH
+        )));
+    }
+    let params = LlamaParams::from_gguf(g)?;
+    let plans = plan_tensors(g, &params, opts.out_dtype)?;
+    let tied = !plans.iter().any(|p| p.hf_name == "lm_head.weight");
+    let tok = tokenizer::build(g)?;
+    if tok.n_tokens > params.vocab_size {
+        return Err(g.error(format!(
+            "the tokenizer has {} tokens but the model's vocabulary is {}",
+            tok.n_tokens, params.vocab_size
+        )));
+    }
+    Ok(Prepared {
+        architecture,
+        params,
+        plans,
+        tied,
+        tok,
+    })
+}
+
+/// What [`check_import`] found: the side files an import would write.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct CheckedImport {
+    /// `config.json`.
+    pub config_json: String,
+    /// `tokenizer.json`.
+    pub tokenizer_json: String,
+    /// `tokenizer_config.json`.
+    pub tokenizer_config_json: String,
+    /// HF name and shape of every tensor `model.safetensors` would hold.
+    pub tensors: Vec<(String, Vec<usize>)>,
+}
+
+/// The fuzzing entry point: [`import_gguf`] of a GGUF file held in memory up to the point where it
+/// writes, plus the dequantization of every planned tensor whose bytes total at most
+/// `max_dequant_bytes` (the file's bytes are untrusted too); nothing touches the disk.
+#[doc(hidden)]
+pub fn check_import(bytes: &[u8], opts: &ImportOptions, max_dequant_bytes: usize) -> Result<CheckedImport> {
+    let g = GgufFile::from_bytes(bytes, Path::new("<fuzz input>"))?;
+    let Prepared {
+        params,
+        plans,
+        tied,
+        tok,
+        ..
+    } = prepare(&g, opts)?;
+    let mut budget = max_dequant_bytes;
+    for plan in &plans {
+        let info = &g.tensors()[plan.gguf_index];
+        let Some(len) = info.byte_len().and_then(|l| usize::try_from(l).ok()) else {
+            continue;
+        };
+        if len > budget {
+            continue;
+        }
+        budget -= len;
+        let start = usize::try_from(g.data_offset() + info.offset).map_err(|_| g.error("offset"))?;
+        let src = bytes.get(start..start + len).ok_or_else(|| g.error("a checked extent is outside the file"))?;
+        let mut out = vec![0f32; plan.shape.iter().product()];
+        dequantize(info.ggml_type, src, &mut out).map_err(|e| g.error(format!("tensor {}: {e}", info.name)))?;
+    }
+    let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).map_err(|e| g.error(e.to_string()));
+    Ok(CheckedImport {
+        config_json: json(&llama::config_json(&params, tied, opts.out_dtype))?,
+        tokenizer_json: tok.tokenizer_json,
+        tokenizer_config_json: json(&tok.tokenizer_config)?,
+        tensors: plans.into_iter().map(|p| (p.hf_name, p.shape)).collect(),
     })
 }
 

@@ -25,6 +25,8 @@ use std::path::PathBuf;
 
 pub use ggml_type::GgmlType;
 pub use import::import_gguf;
+#[doc(hidden)]
+pub use import::{CheckedImport, check_import};
 pub use reader::{GgufFile, MetaValue, TensorInfo};
 
 /// Element type of the written safetensors weights.

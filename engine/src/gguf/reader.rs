@@ -191,8 +191,19 @@ impl GgufFile {
             .metadata()
             .map_err(|e| Error::io(format!("reading the size of {}", path.display()), e))?
             .len();
+        Self::parse_from(BufReader::new(file), file_size, path)
+    }
+
+    /// Parses a GGUF file held in memory exactly as [`GgufFile::open`] parses one on disk (the fuzzing
+    /// entry point; `path` only names the file in errors).
+    #[doc(hidden)]
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
+        Self::parse_from(bytes, bytes.len() as u64, path)
+    }
+
+    fn parse_from<R: Read>(inner: R, file_size: u64, path: &Path) -> Result<Self> {
         let mut r = Bounded {
-            inner: BufReader::new(file),
+            inner,
             pos: 0,
             len: file_size,
             path,

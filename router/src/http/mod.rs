@@ -13,6 +13,8 @@
 //! More routes (e.g. `/metrics`) join in [`app`]; [`Http`] is the state every handler shares.
 
 mod error;
+#[doc(hidden)]
+pub mod fuzz;
 mod request;
 mod respond;
 mod wire;
