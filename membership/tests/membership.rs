@@ -53,6 +53,7 @@ async fn etcd_membership(server: &EtcdServer, prefix: &str) -> Membership {
         ttl: TTL,
         request_timeout: Duration::from_secs(1),
         max_backoff: Duration::from_millis(500),
+        tls: None,
     };
     Membership::etcd(&[server.endpoint()], prefix, opts).await.expect("connect to etcd")
 }
