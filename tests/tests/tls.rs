@@ -151,14 +151,14 @@ async fn a_tls_cluster_serves_members_and_refuses_everyone_else() {
     // Membership over TLS with a client certificate lists both nodes; without one etcd refuses.
     let ca = certs.pem("ca.pem");
     let with_cert = EtcdTls { ca_pem: ca.clone(), identity: Some((certs.pem("node.pem"), certs.pem("node-key.pem"))) };
-    let membership = Membership::etcd(&[endpoint.clone()], prefix, EtcdOptions { tls: Some(with_cert), ..Default::default() })
+    let membership = Membership::etcd(std::slice::from_ref(&endpoint), prefix, EtcdOptions { tls: Some(with_cert), ..Default::default() })
         .await
         .expect("etcd over TLS with a client certificate");
     let mut nodes = membership.watch().await.expect("watch");
     tokio::time::timeout(START, nodes.wait_for(|n| n.len() == 2)).await.expect("both nodes registered").expect("watch open");
     let without_cert = EtcdTls { ca_pem: ca.clone(), identity: None };
     let opts = EtcdOptions { tls: Some(without_cert), request_timeout: Duration::from_secs(2), ..Default::default() };
-    assert!(Membership::etcd(&[endpoint.clone()], prefix, opts).await.is_err(), "etcd served a client without a certificate");
+    assert!(Membership::etcd(std::slice::from_ref(&endpoint), prefix, opts).await.is_err(), "etcd served a client without a certificate");
     let opts = EtcdOptions { request_timeout: Duration::from_secs(2), ..Default::default() };
     assert!(Membership::etcd(&[endpoint.replace("https://", "http://")], prefix, opts).await.is_err(), "etcd answered plaintext");
 
