@@ -97,12 +97,12 @@ pub(crate) struct RouterArgs {
     /// How to pick a decode node: least-load, prefix-aware or round-robin.
     #[arg(long, default_value = "least-load")]
     policy: Policy,
+    #[command(flatten)]
+    limits: overload::RouterLimitArgs,
     /// Times one request may move to another decode node when the node serving it fails mid-stream
     /// (its stream continues from the next token); then, or with 0, the stream ends with UNAVAILABLE.
     #[arg(long, value_name = "N", default_value_t = tandem_router::DEFAULT_MAX_MIGRATIONS)]
     max_migrations: u32,
-    #[command(flatten)]
-    limits: overload::RouterLimitArgs,
     /// Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /// /health) on this address (port 0 picks one).
     #[arg(long)]
@@ -112,12 +112,12 @@ pub(crate) struct RouterArgs {
     #[arg(long, value_name = "FILE")]
     api_key_file: Option<std::path::PathBuf>,
     #[command(flatten)]
+    tls: tls::TlsArgs,
+    #[command(flatten)]
     drain: DrainArgs,
     /// Only check the command line, then exit (nothing is reached, bound or loaded).
     #[arg(long)]
     check: bool,
-    tls: tls::TlsArgs,
-    #[command(flatten)]
 }
 
 /// `--http-listen` of `tandem up`: an address, or `off`.
@@ -158,23 +158,23 @@ pub(crate) struct NodeArgs {
     #[command(flatten)]
     limits: overload::NodeLimitArgs,
     #[command(flatten)]
+    tls: tls::TlsArgs,
+    #[command(flatten)]
     drain: DrainArgs,
     /// Only check the command line, then exit (no model is pulled or loaded, nothing reached or bound).
     #[arg(long)]
     check: bool,
-    tls: tls::TlsArgs,
-    #[command(flatten)]
 }
 
 impl NodeArgs {
     fn check(&self, role: &str) -> anyhow::Result<()> {
         check::etcd(&self.etcd)?;
         check::engine(&self.engine, &self.kv_connector)?;
+        check_tls(&self.tls, Some(&self.etcd))?;
         if let Some(a) = &self.advertise {
             anyhow::ensure!(!a.trim().is_empty(), "--advertise is empty");
         }
         check::ok(&format!("tandem {role}"))
-        check_tls(&self.tls, Some(&self.etcd))?;
     }
 }
 
@@ -245,12 +245,12 @@ pub(crate) struct UpArgs {
     /// Require one of the API keys in this file (one per line; re-read on SIGHUP) on every request.
     #[arg(long, value_name = "FILE")]
     api_key_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    tls: tls::TlsArgs,
     /// Only check the command line, then exit (no model is pulled or loaded, nothing bound).
     #[arg(long)]
     check: bool,
 }
-    #[command(flatten)]
-    tls: tls::TlsArgs,
 
 /// `tandem client`.
 #[derive(Args, Debug)]
@@ -289,12 +289,12 @@ pub(crate) struct ClientArgs {
     /// The API key the router asks for (sent as `authorization: Bearer KEY`).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    #[command(flatten)]
+    tls: tls::ClientTlsArgs,
     /// The prompt.
     prompt: String,
 }
 
-    #[command(flatten)]
-    tls: tls::ClientTlsArgs,
 pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")
 }
@@ -331,10 +331,6 @@ fn advertised(listen: SocketAddr, advertise: &Option<String>) -> String {
     if host.contains(':') { format!("[{host}]:{}", listen.port()) } else { format!("{host}:{}", listen.port()) }
 }
 
-fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
-    let (dir, engine) = args.engine.prepare(true)?;
-    let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
-    let mut kv_spec = args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu);
 /// Loads the TLS files (if any) and, with `etcd`, the etcd TLS files too: `--check`'s part of TLS.
 fn check_tls(args: &tls::TlsArgs, etcd: Option<&EtcdArgs>) -> anyhow::Result<()> {
     let cluster = args.load()?;
@@ -344,9 +340,13 @@ fn check_tls(args: &tls::TlsArgs, etcd: Option<&EtcdArgs>) -> anyhow::Result<()>
     Ok(())
 }
 
-    // A connector bound to 0.0.0.0 (tcp://, nccl://) advertises the node's host, not loopback.
+fn node_setup(args: &NodeArgs) -> anyhow::Result<NodeSetup> {
     // Before the model loads: a bad TLS file fails at once.
     let tls = args.tls.load()?;
+    let (dir, engine) = args.engine.prepare(true)?;
+    let on_gpu = matches!(engine.device, tandem_engine::Device::Cuda { .. });
+    let mut kv_spec = args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu);
+    // A connector bound to 0.0.0.0 (tcp://, nccl://) advertises the node's host, not loopback.
     match (&mut kv_spec, &args.advertise) {
         (ConnectorSpec::Tcp(opts), Some(host)) if opts.advertise.is_none() => opts.advertise = Some(host.clone()),
         (ConnectorSpec::Nccl(opts), Some(host)) if opts.advertise.is_none() => opts.advertise = Some(host.clone()),
@@ -359,11 +359,11 @@ fn check_tls(args: &tls::TlsArgs, etcd: Option<&EtcdArgs>) -> anyhow::Result<()>
         engine,
         kv_spec,
         kv_config: ConnectorConfig::default(),
+        tls,
         limits: args.limits.limits(),
     })
 }
 
-        tls,
 type SharedRegistration = Arc<std::sync::Mutex<Option<Registration>>>;
 
 /// Publishes the node's load into membership until the registration is taken away.
@@ -435,13 +435,13 @@ impl NodeService {
     /// The node's gRPC server: mutual TLS (callers need a certificate of the cluster CA) with TLS.
     fn router(&self, health: &Health) -> anyhow::Result<tonic::transport::server::Router> {
         let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &self.core().tls {
+            builder = builder.tls_config(tls.node_server()).context("the node's TLS configuration")?;
+        }
         let router = match self {
             NodeService::Prefill(n) => builder.add_service(n.service()),
             NodeService::Decode(n) => builder.add_service(n.service()),
         };
-        if let Some(tls) = &self.core().tls {
-            builder = builder.tls_config(tls.node_server()).context("the node's TLS configuration")?;
-        }
         Ok(router.add_service(health.server()))
     }
 }
@@ -648,29 +648,29 @@ async fn bind_optional(addr: Option<SocketAddr>) -> anyhow::Result<Option<TcpLis
 pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
     if args.check {
         check::etcd(&args.etcd)?;
+        check_tls(&args.tls, Some(&args.etcd))?;
         return check::ok("tandem router");
     }
     if let Some(file) = &args.api_key_file {
         // Before etcd is reached: a bad key file fails at once.
-        check_tls(&args.tls, Some(&args.etcd))?;
         tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
     }
+    let tls = args.tls.load()?;
     runtime()?.block_on(async {
         let membership = args.etcd.connect(tls.as_deref()).await?;
         let nodes = membership.watch().await.context("watching membership")?;
         let listener = bind(args.listen).await?;
-    let tls = args.tls.load()?;
         let http = bind_optional(args.http_listen).await?;
         let router = Router::new(nodes.clone(), args.policy);
-        router.set_max_migrations(args.max_migrations);
         router.set_limits(args.limits.limits());
+        router.set_max_migrations(args.max_migrations);
+        if let Some(t) = &tls {
+            router.set_node_tls(Arc::clone(t));
+        }
         api_keys(&router, args.api_key_file.as_deref(), true)?;
         let health = router_health(&router, nodes).await;
         println!("tandem router serving on {}", listener.local_addr()?);
         if let Some(h) = &http {
-        if let Some(t) = &tls {
-            router.set_node_tls(Arc::clone(t));
-        }
             println!("tandem router: OpenAI API on {}://{}/v1", http_scheme(tls.as_deref()), h.local_addr()?);
         }
         let _ = std::io::stdout().flush();
@@ -704,19 +704,19 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
 pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
     if args.check {
         check::engine(&args.engine, &args.kv_connector)?;
+        check_tls(&args.tls, None)?;
         return check::ok("tandem up");
     }
     if let Some(file) = &args.api_key_file {
         // Before any model loads: a bad key file fails at once.
         tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
-        check_tls(&args.tls, None)?;
     }
+    let tls = args.tls.load()?;
     let (dir, weights, model_name, engine) = match args.random_weights {
         Some(geometry) => {
             let engine = args.engine.config(true)?;
             anyhow::ensure!(
                 matches!(engine.device, tandem_engine::Device::Cuda { .. }),
-    let tls = args.tls.load()?;
                 "--random-weights needs --device cuda (the CPU engine loads only checkpoints)"
             );
             let config_json = geometry.config_json().to_string();
@@ -737,12 +737,12 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         engine,
         kv_spec: args.kv_connector.parse::<ConnectorSpec>()?.resolve(on_gpu),
         kv_config: ConnectorConfig::default(),
+        tls: tls.clone(),
         limits: tandem_node::admission::Limits::default(),
     };
     runtime()?.block_on(async {
         // A one-shot --prompt run answers on stdout only; otherwise the HTTP port is taken before the
         // models load, so a busy port fails at once.
-        tls: tls.clone(),
         let http = if args.prompt.is_some() { None } else { bind_optional(args.http_listen.0).await? };
         let opts = EmbeddedOptions {
             setup,
@@ -820,12 +820,12 @@ impl EmbeddedCluster {
     /// Loads both nodes (prefill first), waits until both registered, and starts the router.
     pub(crate) async fn start(opts: EmbeddedOptions) -> anyhow::Result<EmbeddedCluster> {
         let setup = opts.setup;
+        let setup_tls = setup.tls.clone();
         let membership = Membership::memory();
         let fabric = Fabric::new();
         // On one GPU both engines share the memory budget: `gpu_memory_utilization` counts what is
         // in use already, so the prefill engine (loaded first) takes half and the decode engine the rest.
         // Colocated, the decode node alone takes the whole budget and prefills every prompt.
-        let setup_tls = setup.tls.clone();
         let peers = Peers::new(membership.watch().await?, setup.model_name.clone());
         let prefill = if opts.colocated {
             None
@@ -865,15 +865,15 @@ impl EmbeddedCluster {
         let addr = listener.local_addr()?;
         let router = Router::new(watched.clone(), opts.policy);
         router.set_limits(opts.router_limits);
+        let tls = setup_tls;
+        if let Some(t) = &tls {
+            router.set_node_tls(Arc::clone(t));
+        }
         let health = router_health(&router, watched).await;
         let stop = {
             let health = health.clone();
             async move {
                 stopped(stop_rx).await;
-        let tls = setup_tls;
-        if let Some(t) = &tls {
-            router.set_node_tls(Arc::clone(t));
-        }
                 health.drain().await;
             }
         };
@@ -961,14 +961,14 @@ async fn stream_to_stdout(
     let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{router}"))
         .with_context(|| format!("router address {router:?}"))?
         .connect_timeout(Duration::from_secs(5));
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).context("the client's TLS configuration")?;
+    }
     let channel = endpoint.connect().await.with_context(|| format!("connecting to the router at {router}"))?;
     let mut client = TandemClient::new(channel);
     let mut req = tonic::Request::new(req);
     if let Some(key) = api_key {
         let value = format!("Bearer {key}").parse().map_err(|_| anyhow::anyhow!("the API key must be visible ASCII"))?;
-    if let Some(tls) = tls {
-        endpoint = endpoint.tls_config(tls).context("the client's TLS configuration")?;
-    }
         req.metadata_mut().insert("authorization", value);
     }
     let mut stream = client.generate(req).await.map_err(status_error)?.into_inner();

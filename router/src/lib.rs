@@ -155,12 +155,12 @@ struct Inner {
     next_id: AtomicUsize,
     keys: auth::ApiKeys,
     admission: admission::Admission,
+    /// TLS toward the nodes (set once, before the first call).
+    node_tls: std::sync::OnceLock<Arc<tandem_node::tls::ClusterTls>>,
     /// Re-issues of one request after decode-node failures (`--max-migrations`).
     max_migrations: AtomicU32,
 }
 
-    /// TLS toward the nodes (set once, before the first call).
-    node_tls: std::sync::OnceLock<Arc<tandem_node::tls::ClusterTls>>,
 impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Router").field("policy", &self.inner.policy).finish()
@@ -214,26 +214,26 @@ impl Router {
                 next_id: AtomicUsize::new(1),
                 keys: auth::ApiKeys::default(),
                 admission: admission::Admission::default(),
+                node_tls: std::sync::OnceLock::new(),
                 max_migrations: AtomicU32::new(DEFAULT_MAX_MIGRATIONS),
             }),
         }
     }
 
-                node_tls: std::sync::OnceLock::new(),
     /// Requires one of `keys` (sent as `authorization: Bearer KEY`) on every request from now on;
     /// `None` opens the router to anyone who can reach it.
     pub fn set_api_keys(&self, keys: Option<Vec<String>>) {
         self.inner.keys.set(keys);
     }
 
-    /// Sets the overload limits (`--max-waiting-requests`, `--max-queue-time-ms`; before serving).
-    pub fn set_limits(&self, limits: Limits) {
-        self.inner.admission.set(limits);
-    }
-
     /// Calls nodes over mutual TLS with `tls` (set before serving; a second call is ignored).
     pub fn set_node_tls(&self, tls: Arc<tandem_node::tls::ClusterTls>) {
         let _ = self.inner.node_tls.set(tls);
+    }
+
+    /// Sets the overload limits (`--max-waiting-requests`, `--max-queue-time-ms`; before serving).
+    pub fn set_limits(&self, limits: Limits) {
+        self.inner.admission.set(limits);
     }
 
     /// How many times one request may move to another decode node after the one serving it failed

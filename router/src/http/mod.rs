@@ -17,9 +17,9 @@ mod error;
 pub mod fuzz;
 mod request;
 mod respond;
+pub mod tls;
 mod wire;
 
-pub mod tls;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -129,8 +129,6 @@ pub async fn serve(
         .await
 }
 
-pub(crate) fn json_response(status: StatusCode, body: String) -> Response {
-    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 /// [`serve`] over HTTPS: TLS with `config` (see [`tls`]).
 pub async fn serve_tls(
     router: Router,
@@ -143,6 +141,8 @@ pub async fn serve_tls(
         .await
 }
 
+pub(crate) fn json_response(status: StatusCode, body: String) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 /// The body, at most [`MAX_BODY`] bytes of it.
