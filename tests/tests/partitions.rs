@@ -131,7 +131,7 @@ impl Lab {
     }
 
     async fn wait_blocks_free(&self, nodes: usize) {
-        let m = Membership::etcd(&[self.etcd_endpoint.clone()], PREFIX, Default::default()).await.expect("etcd");
+        let m = Membership::etcd(std::slice::from_ref(&self.etcd_endpoint), PREFIX, Default::default()).await.expect("etcd");
         let mut view = m.watch().await.expect("watch");
         wait_all_blocks_free(&mut view, nodes, FREE_LIMIT).await;
     }
