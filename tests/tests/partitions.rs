@@ -94,8 +94,10 @@ impl Lab {
         let mut prefill = prefill;
         if let Some(p) = prefill.as_mut() {
             p.wait_serving(START);
+            p.wait_line("metrics on http://", START); // printed once its metrics listener is bound
         }
         decode.wait_serving(START);
+        decode.wait_line("metrics on http://", START);
         Lab { _router: router, _prefill: prefill, decode, _etcd: etcd, _etcd_dir: dir, etcd_endpoint, router_addr }
     }
 
@@ -265,7 +267,7 @@ fn long_prompt(seed: u32, sentences: usize) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "fails before the cut: the first read of the prefill node's /metrics gets nothing (it is polled before its metrics listener is up); wait for its `metrics on` line first"]
+#[ignore = "open: GET /metrics on the prefill node's namespace address (HOST:9100) returns nothing even after the node printed `metrics on`; the cut itself is not reached yet"]
 async fn cutting_the_kv_link_mid_transfer_still_serves_the_request_and_strands_no_block() {
     let Some(mut net) = net_or_skip("cutting_the_kv_link_mid_transfer") else { return };
     let (ctl, pre, dec) = (net.add("ctl"), net.add("prefill"), net.add("decode"));
