@@ -300,25 +300,34 @@ pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 /// Resolves when the process is asked to stop.
-async fn stop_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// SIGTERM or Ctrl-C. The handlers are installed when this is called (not when the future is first
+/// polled), so call it before announcing that the process serves: a signal sent right after the
+/// announcement is then a clean stop, never the default disposition's kill.
+fn stop_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
+        use tokio::signal::unix::{signal, SignalKind};
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        async move {
+            match (term, int) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
+                }
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
-        };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        async move {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -669,6 +678,7 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
         }
         api_keys(&router, args.api_key_file.as_deref(), true)?;
         let health = router_health(&router, nodes).await;
+        let signal = stop_signal();
         println!("tandem router serving on {}", listener.local_addr()?);
         if let Some(h) = &http {
             println!("tandem router: OpenAI API on {}://{}/v1", http_scheme(tls.as_deref()), h.local_addr()?);
@@ -680,7 +690,7 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
         let drain = args.drain.timeout();
         let draining = health.clone();
         tokio::spawn(async move {
-            stop_signal().await;
+            signal.await;
             let _ = deadline_tx.send(tokio::time::Instant::now() + drain);
             draining.drain().await;
             let _ = stop_tx.send(true);
@@ -754,22 +764,26 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         };
         let cluster = EmbeddedCluster::start(opts).await?;
         let keys = api_keys(&cluster.router, args.api_key_file.as_deref(), args.prompt.is_none())?;
+        // Serving until a signal (installed before the announcement); a --prompt run keeps Ctrl-C's
+        // default (it ends the process).
+        let signal = args.prompt.is_none().then(stop_signal);
         println!("tandem up: serving on {}", cluster.addr);
         if let Some(h) = &http {
             println!("tandem up: OpenAI API on {}://{}/v1", http_scheme(tls.as_deref()), h.local_addr()?);
         }
         let _ = std::io::stdout().flush();
-        let outcome = match (&args.prompt, http) {
-            (Some(prompt), _) => {
+        let outcome = match (signal, http) {
+            (Some(signal), None) => {
+                signal.await;
+                Ok(())
+            }
+            (Some(signal), Some(listener)) => serve_http(cluster.router.clone(), listener, tls.as_deref(), signal).await,
+            (None, _) => {
+                let prompt = args.prompt.as_deref().unwrap_or_default();
                 let req = request(prompt, args.chat, None, "", sampling(args.max_tokens, 0.0, None, None, None, Vec::new()));
                 let client_tls = tls.as_ref().map(|t| t.client());
                 stream_to_stdout(&cluster.addr.to_string(), req, keys.first().map(String::as_str), client_tls).await
             }
-            (None, None) => {
-                stop_signal().await;
-                Ok(())
-            }
-            (None, Some(listener)) => serve_http(cluster.router.clone(), listener, tls.as_deref(), stop_signal()).await,
         };
         cluster.shutdown().await;
         outcome

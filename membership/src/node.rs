@@ -107,12 +107,17 @@ mod tests {
             serde_json::json!({
                 "id": "d0", "role": "decode", "model": "m", "grpc_addr": "127.0.0.1:1",
                 "kv_endpoint": "tcp://127.0.0.1:2",
-                "load": {"waiting": 1, "running": 2, "free_blocks": 3, "total_blocks": 4}
+                "load": {"waiting": 1, "running": 2, "free_blocks": 3, "total_blocks": 4, "max_waiting": 5}
             })
         );
         // Unknown fields from a newer node are ignored.
         let mut newer = json.clone();
         newer["gpu"] = serde_json::json!("h100");
         assert_eq!(serde_json::from_value::<NodeInfo>(newer).unwrap(), info);
+        // A node from before `max_waiting` existed publishes none: it reads as 0 (no bound published).
+        let mut older = json;
+        older["load"].as_object_mut().unwrap().remove("max_waiting");
+        let older: NodeInfo = serde_json::from_value(older).unwrap();
+        assert_eq!(older.load.max_waiting, 0);
     }
 }
