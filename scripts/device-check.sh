@@ -34,6 +34,22 @@
 #   bench      .device/tandem bench engine --device cuda --hf-python python3
 #              --hf-script scripts/reference/hf_offline_bench.py $BENCH_ARGS
 #
+# Two-GPU stages (a machine of two GPUs, e.g. nvidia-h200-x2; not in the default set, not in `all`;
+# name them, or `gpus` for all four):
+#   gpus_kv       the nccl test binary's two-GPU tests (.device/tests/nccl-* --ignored), the
+#                 conformance suite for nccl and cuda-ipc with senders on cuda:0 and receivers on
+#                 cuda:1, and tandem bench kv for both across the GPUs (1, 16, 256 MiB) next to a
+#                 bare NCCL send and cudaMemcpyPeer of the same bytes
+#   gpus_cluster  etcd + router + prefill node on cuda:0 + decode node on cuda:1 as processes, with
+#                 --kv-connector nccl and then cuda-ipc: client output == generate; a prefill node
+#                 killed mid-transfer (transfers paced by TANDEM_KV_TEST_CHUNK_DELAY_MS) leaves a
+#                 correct answer, every decode block free, and no memory of it on cuda:0
+#   gpus_disagg   tandem bench disagg --devices cuda:0,cuda:1 (TTFT of a 2,048-token prompt of the
+#                 8B geometry through the cluster against prefill alone) $DISAGG_ARGS
+#   gpus_serve    scripts/serve-compare.sh with tandem up --devices cuda:0,cuda:1: two colocated
+#                 decode nodes (one per GPU) against 1 prefill (cuda:0) + 1 decode (cuda:1), the same
+#                 `tandem bench serve` sweep ($SERVE_ARGS); reports and plot in $OUT/gpus_serve/
+#
 # Each stage's output goes to the terminal and to $OUT/<stage>.log ($OUT defaults to
 # /tmp/device-out). A failed stage does not stop the others; a summary table comes
 # last and the exit status is 1 if any stage failed (2 for a bad argument).
@@ -51,6 +67,8 @@
 #                   A device call is killed at its own limit (600 s) with no summary,
 #                   so set this, or run bench in a call of its own.
 #   PYTHON          python for reference/bench (default python3, the torch venv there)
+#   REF_ARGS        extra arguments of the reference script (e.g. "--only small": the cluster
+#                   stages need only that model)
 #   CUDA_REF_DIR    where the reference models go (default /tmp/cuda-ref)
 set -euo pipefail
 
@@ -65,6 +83,7 @@ PYTHON="${PYTHON:-python3}"
 CUDA_REF_DIR="${CUDA_REF_DIR:-/tmp/cuda-ref}"
 TEST_SELECT="${TEST_SELECT:---include-ignored}"
 ALL_STAGES=(kernels reference model cluster kv cluster2 disagg serve bench)
+GPUS_STAGES=(gpus_kv gpus_cluster gpus_disagg gpus_serve)
 mkdir -p "$OUT"
 
 # ---- which stages -----------------------------------------------------------------
@@ -75,9 +94,11 @@ fi
 for arg in "$@"; do
     case "$arg" in
         kernels | reference | model | cluster | kv | cluster2 | disagg | serve | bench) WANT[$arg]=1 ;;
+        gpus_kv | gpus_cluster | gpus_disagg | gpus_serve) WANT[$arg]=1 ;;
         all) for s in "${ALL_STAGES[@]}"; do WANT[$s]=1; done ;;
+        gpus) for s in "${GPUS_STAGES[@]}"; do WANT[$s]=1; done ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        *) echo "device-check: unknown stage '$arg' (want: ${ALL_STAGES[*]} or all)" >&2; exit 2 ;;
+        *) echo "device-check: unknown stage '$arg' (want: ${ALL_STAGES[*]} ${GPUS_STAGES[*]}, all or gpus)" >&2; exit 2 ;;
     esac
 done
 
@@ -112,7 +133,9 @@ read -ra SELECT <<<"$TEST_SELECT"
 stage_kernels() { run_tests '.device/tests/cuda_kernels-*' "${SELECT[@]}"; }
 
 stage_reference() {
-    cmd "$PYTHON" scripts/reference/cuda_reference.py "$CUDA_REF_DIR" || return 1
+    local only=()
+    read -ra only <<<"${REF_ARGS:-}"
+    cmd "$PYTHON" scripts/reference/cuda_reference.py "$CUDA_REF_DIR" "${only[@]}" || return 1
     local d
     for d in "$CUDA_REF_DIR"/*/; do   # bring the expected values back with the logs
         [[ -f "$d/expected.json" ]] && cp "$d/expected.json" "$OUT/ref-$(basename "$d")-expected.json"
@@ -255,6 +278,131 @@ stage_bench() {
         --hf-script scripts/reference/hf_offline_bench.py "${extra[@]}"
 }
 
+# ---- two GPUs -------------------------------------------------------------------------
+stage_gpus_kv() {
+    local rc=0
+    # the conformance cases run below through the CLI; the binary's other two-GPU tests here
+    run_tests '.device/tests/nccl-*' --ignored --skip conformance_gpu0_to_gpu1 --test-threads=1 || rc=1
+    cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
+    cmd .device/tandem kv conformance cuda-ipc --device cuda:0,cuda:1 || rc=1
+    cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 200 || rc=1
+    cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 200 || rc=1
+    return "$rc"
+}
+
+# The first sample of metric NAME whose labels include LABEL, from http://ADDR/metrics.
+metric() {
+    "$PYTHON" - "$1" "$2" "$3" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=5).read().decode()
+for line in text.splitlines():
+    if line.startswith(sys.argv[2] + "{") and sys.argv[3] in line:
+        print(float(line.rsplit(" ", 1)[1])); break
+PY
+}
+
+stage_gpus_cluster() {
+    local model="$CUDA_REF_DIR/small"
+    [[ -f "$model/config.json" ]] || { echo "no $model: run the reference stage first"; return 1; }
+    [[ -x .device/etcd ]] || { echo "no .device/etcd (copy Debian's /usr/bin/etcd there)"; return 1; }
+    local rc=0 backend
+    for backend in nccl cuda-ipc; do
+        DIR=$(mktemp -d)
+        .device/etcd --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23792 \
+            --advertise-client-urls http://127.0.0.1:23792 --listen-peer-urls http://127.0.0.1:23802 >"$OUT/etcd-$backend.log" 2>&1 &
+        echo $! >"$DIR/etcd.pid"
+        local i
+        for ((i = 0; i < 100; i++)); do
+            (exec 3<>/dev/tcp/127.0.0.1/23792) 2>/dev/null && break
+            sleep 0.1
+        done
+        echo "---- $backend: prefill node on cuda:0, decode node on cuda:1"
+        gpus_cluster_body "$backend" || rc=1
+        for p in client router prefill decode etcd; do stop_bg "$p"; done
+        sleep 1
+    done
+    return "$rc"
+}
+
+gpus_cluster_body() {
+    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long gen gen_long got used
+    local node=(--etcd "$etcd" --ttl 2 --model "$model" --kv-connector "$backend")
+    prompt="the quick brown fox jumps over the lazy dog and then runs far away into the forest"
+    long=$(for i in $(seq 1 120); do printf 'sentence %d of a long document about ships. ' "$i"; done)
+    gen=$(cmd .device/tandem generate --model "$model" --device cuda:0 --max-tokens 24 "$prompt") || return 1
+    gen_long=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$long") || return 1
+    router=$(start_bg router router --etcd "$etcd" --listen 127.0.0.1:0) || return 1
+    start_bg prefill prefill "${node[@]}" --device cuda:0 >/dev/null || return 1
+    start_bg decode decode "${node[@]}" --device cuda:1 --local-prefill-below 0 \
+        --metrics-listen 127.0.0.1:9402 >/dev/null || return 1
+    sleep 2
+    got=$(cmd .device/tandem client --router "$router" --max-tokens 24 "$prompt" 2>/dev/null) || return 1
+    printf 'generate (cuda:0): %q\nclient:            %q\n' "$gen" "$got"
+    [[ "$gen" == "$got" ]] || { echo "$backend: cluster across GPUs differs from generate"; return 1; }
+    grep "first KV transfer" "$OUT/prefill.log" | tail -1
+    grep -q "first KV transfer" "$OUT/prefill.log" || { echo "$backend: no transfer logged by the prefill node"; return 1; }
+    grep -q "backend.*$backend" "$OUT/prefill.log" || { echo "$backend: the prefill node did not use $backend"; return 1; }
+    got=$(cmd .device/tandem client --router "$router" --max-tokens 16 "$long" 2>/dev/null) || return 1
+    [[ "$gen_long" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen_long" "$got"; echo "$backend: long prompt differs"; return 1; }
+    echo "$backend: prefill cuda:0 -> decode cuda:1 == generate (two prompts)"
+
+    # Killed mid-transfer: the restarted prefill node paces its chunks (300 ms before each; 4 layers,
+    # so the transfer takes over 1.2 s) and is killed 0.7 s after the request went out, while chunks
+    # are in flight; the decode node must answer (local prefill) and free every block.
+    cp "$OUT/prefill.log" "$OUT/prefill-$backend.log"
+    stop_bg prefill
+    sleep 3
+    local ppid
+    TANDEM_KV_TEST_CHUNK_DELAY_MS=300 start_bg prefill prefill "${node[@]}" --device cuda:0 >/dev/null || return 1
+    ppid=$(cat "$DIR/prefill.pid")
+    sleep 3
+    .device/tandem client --router "$router" --max-tokens 16 "$long" >"$DIR/killed.out" 2>"$OUT/client.log" &
+    echo $! >"$DIR/client.pid"
+    sleep 0.7
+    stop_bg prefill
+    if grep -q "prefill done" "$OUT/prefill.log"; then
+        echo "$backend: the paced transfer finished before the kill"; return 1
+    fi
+    echo "prefill node (pid $ppid) killed before its transfer finished (no 'prefill done' logged)"
+    wait "$(cat "$DIR/client.pid")" || { echo "$backend: the client failed after the prefill node died"; cat "$OUT/client.log"; return 1; }
+    rm -f "$DIR/client.pid"
+    got=$(cat "$DIR/killed.out")
+    [[ "$gen_long" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen_long" "$got"; echo "$backend: prefill killed: wrong output"; return 1; }
+    grep "remote prefill failed" "$OUT/decode.log" | tail -1
+    grep -q "remote prefill failed" "$OUT/decode.log" || { echo "$backend: the decode node saw no failed transfer (was the kill mid-transfer?)"; return 1; }
+    for ((i = 0; i < 50; i++)); do
+        used=$(metric 127.0.0.1:9402 tandem:kv_cache_blocks 'state="used"') || used=?
+        [[ "$used" == 0.0 ]] && break
+        sleep 0.2
+    done
+    echo "decode node (cuda:1): used KV blocks after the kill: $used"
+    [[ "$used" == 0.0 ]] || { echo "$backend: decode blocks still in use"; return 1; }
+    if nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -qw "$ppid"; then
+        echo "$backend: the killed prefill process still holds GPU memory"; return 1
+    fi
+    echo "cuda:0 holds nothing of the killed prefill process:"
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/  /'
+    cp "$OUT/decode.log" "$OUT/decode-$backend.log"
+    echo "$backend: prefill node killed mid-transfer: output == generate, every block free on both GPUs"
+}
+
+stage_gpus_disagg() {
+    local extra=()
+    read -ra extra <<<"${DISAGG_ARGS:-}"
+    local rc=0
+    cmd .device/tandem bench disagg --devices cuda:0,cuda:1 --kv-connector cuda-ipc --no-load "${extra[@]}" || rc=1
+    cmd .device/tandem bench disagg --devices cuda:0,cuda:1 --kv-connector nccl --no-load "${extra[@]}" || rc=1
+    return "$rc"
+}
+
+stage_gpus_serve() {
+    local workload=()
+    read -ra workload <<<"${SERVE_ARGS:---request-rate 2,4,8,16,32 --num-prompts 100 --input-len 1024 --output-len 128 --slo-ttft-ms 300 --slo-itl-ms 30}"
+    TANDEM=.device/tandem OUT_DIR="$OUT/gpus_serve" START_TIMEOUT=300 \
+        UP_ARGS="--devices cuda:0,cuda:1 --random-weights llama3.1-8b ${SERVE_UP_ARGS:-}" \
+        cmd scripts/serve-compare.sh --tokenizer tests/fixtures/tiny/llama "${workload[@]}"
+}
+
 declare -a ROWS=()
 FAILED=0
 run_stage() {
@@ -302,6 +450,9 @@ if [[ -n "${WANT[cluster2]:-}" ]]; then run_stage cluster2 || true; fi
 if [[ -n "${WANT[disagg]:-}" ]]; then run_stage disagg || true; fi
 if [[ -n "${WANT[serve]:-}" ]]; then run_stage serve || true; fi
 if [[ -n "${WANT[bench]:-}" ]]; then run_stage bench || true; fi
+for s in "${GPUS_STAGES[@]}"; do
+    if [[ -n "${WANT[$s]:-}" ]]; then run_stage "$s" || true; fi
+done
 
 echo
 echo "=================== summary ==================="

@@ -90,6 +90,11 @@ pub(crate) struct DisaggBenchArgs {
     /// Where the engines run: cuda, cuda:N or cpu.
     #[arg(long, default_value = "cuda", value_parser = |s: &str| s.parse::<Device>().map_err(|e| e.to_string()))]
     device: Device,
+    /// The nodes on two GPUs (e.g. cuda:0,cuda:1): the prefill node on the first, the decode node on
+    /// the second, each with the whole --gpu-memory-utilization of its GPU; the engine alone runs on
+    /// the first (--device is then ignored).
+    #[arg(long, value_delimiter = ',', value_name = "GPUS", value_parser = crate::cluster::parse_gpu)]
+    devices: Vec<Device>,
     /// The model geometry (random weights).
     #[arg(long, value_enum, default_value = "llama3.1-8b")]
     model_config: Geometry,
@@ -102,12 +107,13 @@ pub(crate) struct DisaggBenchArgs {
     /// Timed time-to-first-token requests (after one warm-up).
     #[arg(long, default_value_t = 5)]
     requests: usize,
-    /// KV-transfer backend between the nodes: auto (cuda-ipc for --device cuda, tcp otherwise), tcp
-    /// or cuda-ipc.
+    /// KV-transfer backend between the nodes: auto (cuda-ipc for --device cuda, tcp otherwise), tcp,
+    /// cuda-ipc, or nccl (with --devices: two GPUs).
     #[arg(long, default_value = "auto")]
     kv_connector: String,
     /// CUDA: the fraction of GPU memory for the engine alone, and for both nodes together (the
-    /// prefill node takes half, the decode node the rest, as in `tandem up`).
+    /// prefill node takes half, the decode node the rest, as in `tandem up`); with --devices, for
+    /// each node on its own GPU.
     #[arg(long, default_value_t = 0.85)]
     gpu_memory_utilization: f32,
     /// Load: requests in flight at once.
@@ -204,7 +210,11 @@ impl Source {
     }
 }
 
-pub(crate) fn run(args: DisaggBenchArgs) -> anyhow::Result<()> {
+pub(crate) fn run(mut args: DisaggBenchArgs) -> anyhow::Result<()> {
+    crate::cluster::check_gpus(&args.devices, false)?;
+    if let Some(&first) = args.devices.first() {
+        args.device = first;
+    }
     ensure!(args.prompt_len > 0, "--prompt-len must be at least 1");
     ensure!(args.requests > 0, "--requests must be at least 1");
     ensure!(args.timeout_s > 0, "--timeout-s must be at least 1");
@@ -506,6 +516,7 @@ fn cluster(
         policy: Policy::LeastLoad,
         local_prefill_below: 0,
         colocated: false,
+        devices: args.devices.clone(),
         router_limits: tandem_router::Limits { max_waiting: usize::MAX, max_queue_time: None },
     };
     let rt = crate::cluster::runtime()?;
@@ -693,6 +704,10 @@ fn print_report(
         utc_now()
     );
     let split = match args.device {
+        Device::Cuda { .. } if args.devices.len() == 2 => format!(
+            ", GPU memory {} of each GPU (prefill node on {}, decode node on {}; the engine alone on {})",
+            args.gpu_memory_utilization, args.devices[0], args.devices[1], args.devices[0]
+        ),
         Device::Cuda { .. } => format!(
             ", GPU memory {} (the nodes: prefill half, decode the rest)",
             args.gpu_memory_utilization

@@ -223,6 +223,11 @@ pub(crate) struct UpArgs {
     /// (the colocated baseline that disaggregation is compared with).
     #[arg(long, conflicts_with = "local_prefill_below")]
     colocated: bool,
+    /// One node per GPU, on these GPUs (e.g. cuda:0,cuda:1) instead of every node on --device:
+    /// the prefill node on the first and the decode node on the second, or with --colocated one
+    /// colocated decode node on each; every node gets the whole --gpu-memory-utilization of its GPU.
+    #[arg(long, value_delimiter = ',', value_name = "GPUS", value_parser = parse_gpu)]
+    devices: Vec<tandem_engine::Device>,
     /// Random bf16 weights of this geometry instead of --model (benchmarks; needs --device cuda).
     #[arg(long, value_enum, value_name = "GEOMETRY")]
     random_weights: Option<crate::bench_disagg::Geometry>,
@@ -239,7 +244,7 @@ pub(crate) struct UpArgs {
     #[arg(long, default_value_t = 256)]
     max_tokens: u32,
     /// KV-transfer backend between the embedded nodes: auto (cuda-ipc for --device cuda, tcp
-    /// otherwise), tcp or cuda-ipc.
+    /// otherwise), tcp, cuda-ipc, or nccl (with --devices: two GPUs).
     #[arg(long, default_value = "auto")]
     kv_connector: String,
     /// Require one of the API keys in this file (one per line; re-read on SIGHUP) on every request.
@@ -711,7 +716,35 @@ pub(crate) fn run_router(args: RouterArgs) -> anyhow::Result<()> {
     })
 }
 
+/// One GPU of `--devices`: cuda:N (or cuda, GPU 0).
+pub(crate) fn parse_gpu(s: &str) -> Result<tandem_engine::Device, String> {
+    match s.parse::<tandem_engine::Device>() {
+        Ok(d @ tandem_engine::Device::Cuda { .. }) => Ok(d),
+        Ok(tandem_engine::Device::Cpu) => Err("--devices lists GPUs (cuda:N); one CPU engine per machine is --device cpu".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--devices` with the node layout: at least two different GPUs; exactly two unless colocated.
+pub(crate) fn check_gpus(devices: &[tandem_engine::Device], colocated: bool) -> anyhow::Result<()> {
+    if devices.is_empty() {
+        return Ok(());
+    }
+    for (i, d) in devices.iter().enumerate() {
+        anyhow::ensure!(!devices[..i].contains(d), "--devices names {d} twice: one node per GPU");
+    }
+    anyhow::ensure!(devices.len() >= 2, "--devices {}: name two GPUs or more (one GPU is --device)", devices[0]);
+    anyhow::ensure!(
+        colocated || devices.len() == 2,
+        "--devices: a disaggregated cluster is one prefill and one decode node, on two GPUs (got {}); \
+         --colocated runs one node per GPU on any number",
+        devices.len()
+    );
+    Ok(())
+}
+
 pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    check_gpus(&args.devices, args.colocated)?;
     if args.check {
         check::engine(&args.engine, &args.kv_connector)?;
         check_tls(&args.tls, None)?;
@@ -722,6 +755,10 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
     }
     let tls = args.tls.load()?;
+    let mut args = args;
+    if let Some(&first) = args.devices.first() {
+        args.engine.device = first; // the model is prepared (and --random-weights checked) for a GPU
+    }
     let (dir, weights, model_name, engine) = match args.random_weights {
         Some(geometry) => {
             let engine = args.engine.config(true)?;
@@ -760,9 +797,18 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
             policy: args.policy,
             local_prefill_below: args.local_prefill_below,
             colocated: args.colocated,
+            devices: args.devices.clone(),
             router_limits: args.limits.limits(),
         };
         let cluster = EmbeddedCluster::start(opts).await?;
+        let gpus: Vec<String> = args.devices.iter().map(ToString::to_string).collect();
+        tracing::info!(
+            prefill_nodes = usize::from(cluster.prefill.is_some()),
+            decode_nodes = cluster.decode_nodes,
+            kv_backend = %cluster.decode.kv_backend,
+            gpus = %gpus.join(","),
+            "embedded cluster loaded"
+        );
         let keys = api_keys(&cluster.router, args.api_key_file.as_deref(), args.prompt.is_none())?;
         // Serving until a signal (installed before the announcement); a --prompt run keeps Ctrl-C's
         // default (it ends the process).
@@ -802,6 +848,10 @@ pub(crate) struct EmbeddedOptions {
     pub(crate) local_prefill_below: usize,
     /// No prefill node: the decode node prefills every prompt with the whole memory budget.
     pub(crate) colocated: bool,
+    /// One node per GPU on these GPUs ([`check_gpus`]): the prefill node on the first and the decode
+    /// node on the second, or colocated one decode node on each; every node with the whole budget of
+    /// its GPU. Empty: every node on `setup.engine.device`.
+    pub(crate) devices: Vec<tandem_engine::Device>,
     /// The router's overload limits.
     pub(crate) router_limits: tandem_router::Limits,
 }
@@ -821,8 +871,10 @@ pub(crate) struct EmbeddedCluster {
     pub(crate) addr: SocketAddr,
     /// The prefill node (none when colocated).
     pub(crate) prefill: Option<EmbeddedNode>,
-    /// The decode node.
+    /// The (first) decode node.
     pub(crate) decode: EmbeddedNode,
+    /// Decode nodes in all (more than one: colocated on several GPUs).
+    pub(crate) decode_nodes: usize,
     /// The router (serving gRPC on `addr`; more front ends may share it).
     pub(crate) router: Router,
     stop_tx: tokio::sync::watch::Sender<bool>,
@@ -831,33 +883,54 @@ pub(crate) struct EmbeddedCluster {
 }
 
 impl EmbeddedCluster {
-    /// Loads both nodes (prefill first), waits until both registered, and starts the router.
+    /// Loads the nodes (prefill first), waits until all registered, and starts the router.
     pub(crate) async fn start(opts: EmbeddedOptions) -> anyhow::Result<EmbeddedCluster> {
+        check_gpus(&opts.devices, opts.colocated)?;
         let setup = opts.setup;
         let setup_tls = setup.tls.clone();
         let membership = Membership::memory();
         let fabric = Fabric::new();
+        let on = |device: Option<&tandem_engine::Device>| {
+            let mut s = setup.clone();
+            if let Some(&d) = device {
+                s.engine.device = d;
+            }
+            s
+        };
         // On one GPU both engines share the memory budget: `gpu_memory_utilization` counts what is
         // in use already, so the prefill engine (loaded first) takes half and the decode engine the rest.
-        // Colocated, the decode node alone takes the whole budget and prefills every prompt.
+        // Colocated, the decode node alone takes the whole budget and prefills every prompt. With
+        // --devices every node has a GPU, and its whole budget, of its own.
         let peers = Peers::new(membership.watch().await?, setup.model_name.clone());
         let prefill = if opts.colocated {
             None
         } else {
-            let mut prefill_setup = setup.clone();
-            prefill_setup.engine.gpu_memory_utilization /= 2.0;
+            let mut prefill_setup = on(opts.devices.first());
+            if opts.devices.is_empty() {
+                prefill_setup.engine.gpu_memory_utilization /= 2.0;
+            }
             Some(PrefillNode::start(prefill_setup, &fabric, peers.clone()).await?)
         };
         let local_prefill_below = if opts.colocated { usize::MAX } else { opts.local_prefill_below };
         let decode_opts = DecodeOptions { local_prefill_below, ..DecodeOptions::default() };
-        let decode = DecodeNode::start(setup, decode_opts, &fabric, peers).await?;
+        let decode_devices: Vec<Option<&tandem_engine::Device>> = match (opts.devices.is_empty(), opts.colocated) {
+            (true, _) => vec![None],
+            (false, true) => opts.devices.iter().map(Some).collect(),
+            (false, false) => vec![opts.devices.get(1)],
+        };
+        let mut decodes = Vec::new();
+        for d in decode_devices {
+            decodes.push(DecodeNode::start(on(d), decode_opts.clone(), &fabric, peers.clone()).await?);
+        }
         let report = |core: &NodeCore| EmbeddedNode { kv_backend: core.connector.backend().to_string(), num_blocks: core.num_blocks };
-        let (prefill_report, decode_report) = (prefill.as_ref().map(|p| report(p.core())), report(decode.core()));
+        let prefill_report = prefill.as_ref().map(|p| report(p.core()));
+        let decode_report = report(decodes[0].core());
+        let decode_nodes = decodes.len();
         let mut services = Vec::new();
         if let Some(p) = prefill {
             services.push((NodeService::Prefill(p), "prefill"));
         }
-        services.push((NodeService::Decode(decode), "decode"));
+        services.extend(decodes.into_iter().map(|d| (NodeService::Decode(d), "decode")));
         let node_count = services.len();
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut nodes = Vec::new();
@@ -895,7 +968,7 @@ impl EmbeddedCluster {
             let router = router.clone();
             tokio::spawn(async move { serve_router(router, listener, &health, tls.as_deref(), stop).await })
         };
-        Ok(EmbeddedCluster { addr, prefill: prefill_report, decode: decode_report, router, stop_tx, serving, nodes })
+        Ok(EmbeddedCluster { addr, prefill: prefill_report, decode: decode_report, decode_nodes, router, stop_tx, serving, nodes })
     }
 
     /// Stops the router and drains both nodes (each finishes its requests in flight first).
@@ -1020,4 +1093,26 @@ pub(crate) fn run_client(args: ClientArgs) -> anyhow::Result<()> {
     );
     let tls = args.tls.load()?;
     runtime()?.block_on(stream_to_stdout(&args.router, req, args.api_key.as_deref(), tls))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{check_gpus, parse_gpu};
+    use tandem_engine::Device;
+
+    #[test]
+    fn devices_are_gpus_each_named_once() {
+        assert_eq!(parse_gpu("cuda:1"), Ok(Device::Cuda { ordinal: 1 }));
+        assert_eq!(parse_gpu("cuda"), Ok(Device::Cuda { ordinal: 0 }));
+        assert!(parse_gpu("cpu").unwrap_err().contains("GPUs"));
+        assert!(parse_gpu("gpu1").is_err());
+        let (a, b, c) = (Device::Cuda { ordinal: 0 }, Device::Cuda { ordinal: 1 }, Device::Cuda { ordinal: 2 });
+        assert!(check_gpus(&[], false).is_ok());
+        assert!(check_gpus(&[a, b], false).is_ok());
+        assert!(check_gpus(&[a, b, c], true).is_ok());
+        let err = |d: &[Device], colocated| check_gpus(d, colocated).unwrap_err().to_string();
+        assert!(err(&[a], true).contains("two GPUs or more"));
+        assert!(err(&[a, a], false).contains("twice"));
+        assert!(err(&[a, b, c], false).contains("one prefill and one decode node"));
+    }
 }

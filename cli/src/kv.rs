@@ -38,8 +38,8 @@ pub(crate) struct KvBenchArgs {
     chunk_kib: usize,
     /// Where the pools live: cpu; cuda:N (device memory of GPU N, for cuda-ipc; the ceiling is then
     /// a plain device-to-device copy of the same bytes); or cuda:A,cuda:B (the source pool on GPU A,
-    /// the destination on GPU B, for nccl; the ceiling is then a bare NCCL send of the same bytes
-    /// between the two GPUs).
+    /// the destination on GPU B, for nccl and cuda-ipc; the ceilings are then a bare NCCL send and a
+    /// cudaMemcpyPeer of the same bytes between the two GPUs, the ratio against the backend's kind).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// With the tcp backend: also time it over mutual TLS (certificates of a throwaway CA made in
@@ -69,11 +69,14 @@ fn parse_devices(s: &str) -> anyhow::Result<Devices> {
     }
 }
 
-/// nccl moves blocks between two GPUs; the other backends between pools of one.
+/// nccl moves blocks between two GPUs; cuda-ipc within one GPU or between two; the host backends
+/// between pools of one.
 fn check_devices(spec: &ConnectorSpec, d: Devices) -> anyhow::Result<()> {
     match (matches!(spec, ConnectorSpec::Nccl(_)), d.src != d.dst) {
         (true, false) => bail!("nccl connects two GPUs: pass --device cuda:A,cuda:B (e.g. cuda:0,cuda:1)"),
-        (false, true) => bail!("two GPUs need the nccl backend (the others move blocks between pools of one GPU)"),
+        (false, true) if !matches!(spec, ConnectorSpec::CudaIpc(_)) => {
+            bail!("two GPUs need a device backend, nccl or cuda-ipc (the others move blocks between pools of one GPU)")
+        }
         _ => Ok(()),
     }
 }
@@ -106,7 +109,7 @@ pub(crate) struct ConformanceArgs {
     #[arg(long)]
     case: Option<String>,
     /// Where the pools live: cpu, cuda:N (device memory; runs the device cases), or cuda:A,cuda:B
-    /// (senders' pools on GPU A, receivers' on GPU B: the device cases for nccl).
+    /// (senders' pools on GPU A, receivers' on GPU B: the device cases for nccl and cuda-ipc).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// List the cases and exit.
@@ -269,21 +272,35 @@ impl RawPair {
 enum Raw {
     /// A loopback socket between host buffers.
     Socket(RawPair),
-    /// One plain device-to-device copy between the two pools.
+    /// One plain device-to-device copy between the two pools of one GPU.
     Device { src: Arc<KvMemory>, dst: Arc<KvMemory> },
     /// One bare NCCL send between the two pools, on two GPUs.
     Nccl { pair: Arc<RawNcclPair>, src: Arc<KvMemory>, dst: Arc<KvMemory> },
+    /// One `cudaMemcpyPeer` between the two pools, on two GPUs.
+    Peer { src: Arc<KvMemory>, dst: Arc<KvMemory> },
 }
 
 impl Raw {
-    /// The reference for pools `src` and `dst`: a socket between host buffers of `max_bytes`, one
-    /// copy between the pools of one GPU, or a bare NCCL send over `pair` between two GPUs.
-    async fn new(src: &Arc<KvMemory>, dst: &Arc<KvMemory>, pair: Option<&Arc<RawNcclPair>>, max_bytes: usize) -> anyhow::Result<Raw> {
+    /// The references for pools `src` and `dst`: a socket between host buffers of `max_bytes`, one
+    /// copy between the pools of one GPU, or, between two GPUs (`pair` set), a bare NCCL send and a
+    /// peer copy — the backend's own kind first (NCCL for nccl, the copy engines otherwise), the
+    /// other one second.
+    async fn new(
+        src: &Arc<KvMemory>,
+        dst: &Arc<KvMemory>,
+        pair: Option<&Arc<RawNcclPair>>,
+        nccl_first: bool,
+        max_bytes: usize,
+    ) -> anyhow::Result<(Raw, Option<Raw>)> {
         let (src, dst) = (Arc::clone(src), Arc::clone(dst));
         Ok(match (src.kind(), pair) {
-            (MemoryKind::Host, _) => Raw::Socket(RawPair::new(max_bytes).await?),
-            (_, Some(pair)) => Raw::Nccl { pair: Arc::clone(pair), src, dst },
-            (_, None) => Raw::Device { src, dst },
+            (MemoryKind::Host, _) => (Raw::Socket(RawPair::new(max_bytes).await?), None),
+            (_, Some(pair)) => {
+                let nccl = Raw::Nccl { pair: Arc::clone(pair), src: Arc::clone(&src), dst: Arc::clone(&dst) };
+                let peer = Raw::Peer { src, dst };
+                if nccl_first { (nccl, Some(peer)) } else { (peer, Some(nccl)) }
+            }
+            (_, None) => (Raw::Device { src, dst }, None),
         })
     }
 
@@ -292,6 +309,7 @@ impl Raw {
             Raw::Socket(_) => "raw socket",
             Raw::Device { .. } => "raw D2D copy",
             Raw::Nccl { .. } => "raw NCCL send",
+            Raw::Peer { .. } => "raw peer copy",
         }
     }
 
@@ -300,6 +318,7 @@ impl Raw {
             Raw::Socket(p) => p.once(bytes).await,
             Raw::Device { src, dst } => Ok(tandem_kv_transfer::raw_device_copy(src, dst, bytes)?),
             Raw::Nccl { pair, src, dst } => Ok(pair.send(src, dst, bytes)?),
+            Raw::Peer { src, dst } => Ok(tandem_kv_transfer::raw_peer_copy(src, dst, bytes)?),
         }
     }
 }
@@ -387,7 +406,8 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
         (Some(a), Some(b)) if a != b => Some(Arc::new(tokio::task::spawn_blocking(move || RawNcclPair::new(a, b)).await??)),
         _ => None,
     };
-    let mut raw = Raw::new(&src, &dst, pair.as_ref(), (max_mib as usize) << 20).await?;
+    let nccl_first = matches!(spec, ConnectorSpec::Nccl(_));
+    let (mut raw, mut raw2) = Raw::new(&src, &dst, pair.as_ref(), nccl_first, (max_mib as usize) << 20).await?;
     println!(
         "tandem bench kv: backend {} ({}), pools in {}, {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
         tx.backend(),
@@ -398,8 +418,12 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
         args.iters
     );
     let tls_header = if tls_pair.is_some() { format!("  {:>15}  {:>9}", "tandem TLS GB/s", "TLS/plain") } else { String::new() };
+    let second_header = match &raw2 {
+        Some(r) => format!("  {:>18}  {:>8}", format!("{} GB/s", r.name()), "ratio"),
+        None => String::new(),
+    };
     println!(
-        "{:>8}  {:>12}  {:>16}  {:>8}  {:>12}{tls_header}",
+        "{:>8}  {:>12}  {:>16}  {:>8}{second_header}  {:>12}{tls_header}",
         "size",
         "tandem GB/s",
         format!("{} GB/s", raw.name()),
@@ -410,14 +434,20 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
         let bytes = (mib as usize) << 20;
         kv_once(&tx, &rx, mib).await?;
         raw.once(bytes).await?;
+        if let Some(r) = &mut raw2 {
+            r.once(bytes).await?;
+        }
         if let Some((ttx, trx)) = &tls_pair {
             kv_once(ttx, trx, mib).await?;
         }
-        let (mut kv, mut sock, mut tls) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut kv, mut sock, mut tls, mut second) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Interleave so all see the same machine state.
         for _ in 0..args.iters {
             kv.push(kv_once(&tx, &rx, mib).await?);
             sock.push(raw.once(bytes).await?);
+            if let Some(r) = &mut raw2 {
+                second.push(r.once(bytes).await?);
+            }
             if let Some((ttx, trx)) = &tls_pair {
                 tls.push(kv_once(ttx, trx, mib).await?);
             }
@@ -429,8 +459,14 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
             let t = gbs(bytes, median(tls));
             format!("  {:>15.2}  {:>8.0}%", t, 100.0 * t / k)
         };
+        let second_cols = if second.is_empty() {
+            String::new()
+        } else {
+            let r = gbs(bytes, median(second));
+            format!("  {:>18.2}  {:>7.0}%", r, 100.0 * k / r)
+        };
         println!(
-            "{:>5} MiB  {:>12.2}  {:>16.2}  {:>7.0}%  {:>12.2}{tls_cols}",
+            "{:>5} MiB  {:>12.2}  {:>16.2}  {:>7.0}%{second_cols}  {:>12.2}{tls_cols}",
             mib,
             k,
             s,
@@ -453,7 +489,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
     let small = (args.small_kib as usize) << 10;
     let mut raw_small = match raw {
         Raw::Socket(_) => raw,
-        _ => Raw::new(&ssrc, &sdst, pair.as_ref(), small).await?,
+        _ => Raw::new(&ssrc, &sdst, pair.as_ref(), nccl_first, small).await?.0,
     };
     for _ in 0..20 {
         kv_once(&stx, &srx, 1).await?;
@@ -497,4 +533,24 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
         m.last_send_bytes_per_sec as f64 / 1e9
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Devices, check_devices, parse_devices};
+    use tandem_kv_transfer::ConnectorSpec;
+
+    #[test]
+    fn two_gpus_take_a_device_backend() {
+        let two = parse_devices("cuda:0,cuda:1").unwrap();
+        assert_eq!(two, Devices { src: Some(0), dst: Some(1) });
+        assert!(parse_devices("cuda:1,cuda:1").is_err());
+        let spec = |s: &str| s.parse::<ConnectorSpec>().unwrap().resolve(true);
+        assert!(check_devices(&spec("nccl"), two).is_ok());
+        assert!(check_devices(&spec("cuda-ipc"), two).is_ok());
+        assert!(check_devices(&spec("tcp"), two).unwrap_err().to_string().contains("device backend"));
+        let one = parse_devices("cuda:0").unwrap();
+        assert!(check_devices(&spec("nccl"), one).unwrap_err().to_string().contains("two GPUs"));
+        assert!(check_devices(&spec("cuda-ipc"), one).is_ok());
+    }
 }

@@ -947,6 +947,12 @@ impl SendJob {
                         Ok(verdict) => return Err(early(desc.id, Ok(verdict))),
                         Err(oneshot::error::TryRecvError::Closed) => return Err(Error::Shutdown),
                     }
+                    if let Some(delay) = crate::transport::chunk_delay_from_env() {
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = cancel.wait_for(|c| *c) => return Err(cancelled),
+                        }
+                    }
                     let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
                     link.send(Frame::Chunk(header).encode(), Payload::new(iovs, hold)).await?;
                     self.progress.send_modify(|p| p.bytes += header.byte_len);

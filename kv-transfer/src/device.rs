@@ -192,28 +192,111 @@ impl DeviceKv {
     }
 }
 
-/// The ceiling a device backend is measured against: one plain device-to-device copy of the first
-/// `bytes` of `src`'s allocation into `dst`'s (`cuMemcpyDtoDAsync` on a stream of its own), timed
-/// with CUDA events around the copy alone.
-pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std::time::Duration> {
-    use cudarc::driver::sys::CUevent_flags;
-    let (Some(a), Some(b), crate::MemoryKind::Cuda { device }) = (src.device_allocation(), dst.device_allocation(), src.kind()) else {
+/// Lets kernels on GPU `from` read and write memory of GPU `to` (CUDA peer access, over NVLink or
+/// PCIe), as a sender in the same process as its receiver needs when their pools lie on two GPUs.
+/// Nothing to do for one GPU; enabling it twice is harmless. A pair of GPUs without peer access is a
+/// typed error, never a kernel that faults.
+pub(crate) fn enable_peer_access(from: i32, to: i32) -> Result<()> {
+    use cudarc::driver::sys::{CUresult, cuCtxEnablePeerAccess, cuDeviceCanAccessPeer};
+    if from == to {
+        return Ok(());
+    }
+    let (a, b) = (context(from)?, context(to)?);
+    let mut can: std::ffi::c_int = 0;
+    // SAFETY: `can` is a valid out-pointer; both devices come from live contexts.
+    unsafe { cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }
+        .result()
+        .map_err(|e| gpu_err("asking for peer access", e))?;
+    if can == 0 {
+        return Err(Error::Device(format!("GPU {from} cannot reach GPU {to}'s memory (no peer access between them)")));
+    }
+    a.bind_to_thread().map_err(|e| gpu_err("binding the context", e))?;
+    // SAFETY: `a` is current on this thread and `b` is a live (retained) primary context.
+    let r = unsafe { cuCtxEnablePeerAccess(b.cu_ctx(), 0) };
+    if r == CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+        return Ok(());
+    }
+    r.result().map_err(|e| gpu_err(&format!("enabling peer access from GPU {from} to GPU {to}"), e))
+}
+
+/// The GPU whose memory device address `addr` lies in (asked with GPU `current`'s context bound).
+pub(crate) fn device_of(current: i32, addr: u64) -> Result<i32> {
+    use cudarc::driver::sys::{CUpointer_attribute, cuPointerGetAttribute};
+    let ctx = context(current)?;
+    ctx.bind_to_thread().map_err(|e| gpu_err("binding the context", e))?;
+    let mut ordinal: std::ffi::c_int = -1;
+    // SAFETY: the device-ordinal attribute is one int, written into `ordinal`.
+    unsafe {
+        cuPointerGetAttribute(
+            (&mut ordinal as *mut std::ffi::c_int).cast(),
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            addr,
+        )
+    }
+    .result()
+    .map_err(|e| gpu_err("asking which GPU an address is on", e))?;
+    Ok(ordinal)
+}
+
+/// The two pools' allocations and GPUs, for the raw ceilings.
+fn raw_pair(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<(DeviceAllocation, DeviceAllocation, i32, i32)> {
+    let (Some(a), Some(b), crate::MemoryKind::Cuda { device: da }, crate::MemoryKind::Cuda { device: db }) =
+        (src.device_allocation(), dst.device_allocation(), src.kind(), dst.kind())
+    else {
         return Err(Error::Invalid("a raw device copy needs two device pools".into()));
     };
     if bytes > a.bytes.min(b.bytes) {
         return Err(Error::Invalid(format!("{bytes} bytes exceed the pools")));
     }
+    Ok((a, b, da, db))
+}
+
+/// Times one copy that `launch` enqueues on a fresh stream of GPU `device`, with CUDA events around
+/// the copy alone.
+fn time_copy(device: i32, what: &str, launch: impl FnOnce(&CudaStream) -> Result<()>) -> Result<std::time::Duration> {
+    use cudarc::driver::sys::CUevent_flags;
     let ctx = context(device)?;
-    let e = |e: cudarc::driver::DriverError| gpu_err("raw device copy", e);
+    let e = |e: cudarc::driver::DriverError| gpu_err(what, e);
     let stream = ctx.new_stream().map_err(e)?;
     let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
     let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
     start.record(&stream).map_err(e)?;
-    // SAFETY: both ranges lie inside live device allocations (checked above) that nothing else writes
-    // during a benchmark; the stream is synchronised (through `stop`) before returning.
-    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(b.base, a.base, bytes, stream.cu_stream()) }.result().map_err(e)?;
+    launch(&stream)?;
     stop.record(&stream).map_err(e)?;
     stop.synchronize().map_err(e)?;
     let ms = start.elapsed_ms(&stop).map_err(e)?;
     Ok(std::time::Duration::from_secs_f64(f64::from(ms) / 1e3))
+}
+
+/// The ceiling a device backend is measured against on one GPU: one plain device-to-device copy of
+/// the first `bytes` of `src`'s allocation into `dst`'s (`cuMemcpyDtoDAsync` on a stream of its
+/// own), timed with CUDA events around the copy alone.
+pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std::time::Duration> {
+    let (a, b, device, _) = raw_pair(src, dst, bytes)?;
+    time_copy(device, "raw device copy", |stream| {
+        // SAFETY: both ranges lie inside live device allocations (checked by `raw_pair`) that
+        // nothing else writes during a benchmark; `time_copy` synchronises the stream before
+        // returning.
+        unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(b.base, a.base, bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| gpu_err("raw device copy", e))
+    })
+}
+
+/// The copy-engine ceiling between two GPUs (`cudaMemcpyPeer`): one `cuMemcpyPeerAsync` of the first
+/// `bytes` of `src`'s allocation (on its GPU) into `dst`'s (on another), peer access enabled both
+/// ways first, timed with CUDA events on a stream of the source GPU.
+pub fn raw_peer_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std::time::Duration> {
+    let (a, b, da, db) = raw_pair(src, dst, bytes)?;
+    enable_peer_access(da, db)?;
+    enable_peer_access(db, da)?;
+    let (ca, cb) = (context(da)?, context(db)?);
+    time_copy(da, "raw peer copy", |stream| {
+        // SAFETY: both ranges lie inside live device allocations of their GPUs (checked by
+        // `raw_pair`), whose contexts `ca` and `cb` are; nothing else writes them during a benchmark;
+        // `time_copy` synchronises the stream before returning.
+        unsafe { cudarc::driver::sys::cuMemcpyPeerAsync(b.base, cb.cu_ctx(), a.base, ca.cu_ctx(), bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| gpu_err("raw peer copy", e))
+    })
 }

@@ -87,6 +87,8 @@ pub struct CudaIpcTransport {
     path: PathBuf,
     memory: Arc<KvMemory>,
     device: Arc<DeviceKv>,
+    /// The GPU the pool lies on.
+    ordinal: i32,
     inbox: Arc<dyn Inbox>,
     /// The exported pool, as sent to peers (`K_POOL` body).
     pool_message: Vec<u8>,
@@ -111,6 +113,9 @@ impl CudaIpcTransport {
         let unsupported = |what: &str| Error::Unsupported { backend: "cuda-ipc".into(), what: what.into() };
         let device = device.ok_or_else(|| unsupported("host memory (register the GPU's KV pool)"))?;
         let allocation = memory.device_allocation().ok_or_else(|| unsupported("device memory outside one exportable allocation"))?;
+        let crate::MemoryKind::Cuda { device: ordinal } = memory.kind() else {
+            return Err(unsupported("host memory (register the GPU's KV pool)"));
+        };
         let ctx = device.context();
         ctx.bind_to_thread().map_err(|e| Error::Device(format!("binding the context: {e}")))?;
         let mut handle = cudarc::driver::sys::CUipcMemHandle { reserved: [0; 64] };
@@ -148,6 +153,7 @@ impl CudaIpcTransport {
             path,
             memory,
             device,
+            ordinal,
             inbox,
             pool_message: pool,
             host,
@@ -253,7 +259,12 @@ impl CudaIpcTransport {
             offsets.push(off);
         }
         let (mapping, mapped) = if pid == std::process::id() {
-            (None, base) // CUDA refuses to open a handle in the process that exported it
+            // CUDA refuses to open a handle in the process that exported it: the receiver's own
+            // addresses serve, and if its pool lies on another GPU, this GPU's kernels need peer
+            // access to it (another process's mapping gets it from the lazy flag of the open).
+            let theirs = crate::device::device_of(self.ordinal, base).map_err(|e| e.to_string())?;
+            crate::device::enable_peer_access(self.ordinal, theirs).map_err(|e| e.to_string())?;
+            (None, base)
         } else {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
                 .map_err(|e| format!("opening the receiver's pool (cuIpcOpenMemHandle): {e}"))?;

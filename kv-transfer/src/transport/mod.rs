@@ -33,6 +33,20 @@ pub(crate) fn corrupt_every_from_env() -> Option<u64> {
     std::env::var("TANDEM_KV_TEST_CORRUPT_CHUNK").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0)
 }
 
+/// The senders' pacing test hook, `TANDEM_KV_TEST_CHUNK_DELAY_MS=N`: a sender of this process waits
+/// N ms before each chunk it sends, so a test that drives whole processes can act on a transfer
+/// while it is in flight (kill a node mid-transfer). Read once per process.
+pub(crate) fn chunk_delay_from_env() -> Option<std::time::Duration> {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("TANDEM_KV_TEST_CHUNK_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&ms| ms > 0)
+            .map(std::time::Duration::from_millis)
+    })
+}
+
 /// A boxed, sendable future (the transport traits stay object-safe without extra crates).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
