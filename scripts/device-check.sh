@@ -40,8 +40,9 @@
 #                 conformance suite for nccl and cuda-ipc with senders on cuda:0 and receivers on
 #                 cuda:1, and tandem bench kv for both across the GPUs (1, 16, 256 MiB) next to a
 #                 bare NCCL send and cudaMemcpyPeer of the same bytes
-#   gpus_cluster  etcd + router + prefill node on cuda:0 + decode node on cuda:1 as processes, with
-#                 --kv-connector nccl and then cuda-ipc: client output == generate; a prefill node
+#   gpus_cluster  with --kv-connector nccl and then cuda-ipc: tandem up --devices cuda:0,cuda:1
+#                 == generate; etcd + router + prefill node on cuda:0 + decode node on cuda:1 as
+#                 processes: client output == generate; a prefill node
 #                 killed mid-transfer (transfers paced by TANDEM_KV_TEST_CHUNK_DELAY_MS) leaves a
 #                 correct answer, every decode block free, and no memory of it on cuda:0
 #   gpus_disagg   tandem bench disagg --devices cuda:0,cuda:1 (TTFT of a 2,048-token prompt of the
@@ -325,12 +326,21 @@ stage_gpus_cluster() {
 }
 
 gpus_cluster_body() {
-    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long gen gen_long got used
+    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long fresh gen gen_long gen_fresh got used
     local node=(--etcd "$etcd" --ttl 2 --model "$model" --kv-connector "$backend")
     prompt="the quick brown fox jumps over the lazy dog and then runs far away into the forest"
     long=$(for i in $(seq 1 120); do printf 'sentence %d of a long document about ships. ' "$i"; done)
     gen=$(cmd .device/tandem generate --model "$model" --device cuda:0 --max-tokens 24 "$prompt") || return 1
     gen_long=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$long") || return 1
+    # the kill's prompt: one the decode node has not cached, so its whole KV is in flight
+    fresh=$(for i in $(seq 1 100); do printf 'paragraph %d of a report on rivers and %s. ' "$i" "$backend"; done)
+    gen_fresh=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$fresh" 2>/dev/null) || return 1
+    # the same split in one process: tandem up --devices
+    got=$(cmd .device/tandem up --model "$model" --device cuda --devices cuda:0,cuda:1 --kv-connector "$backend" \
+        --max-tokens 24 --listen 127.0.0.1:0 --prompt "$prompt") || return 1
+    got="${got#tandem up: serving on *$'\n'}"
+    [[ "$gen" == "$got" ]] || { printf 'generate: %q\nup:       %q\n' "$gen" "$got"; echo "$backend: tandem up --devices differs from generate"; return 1; }
+    echo "$backend: tandem up --devices cuda:0,cuda:1 == generate"
     router=$(start_bg router router --etcd "$etcd" --listen 127.0.0.1:0) || return 1
     start_bg prefill prefill "${node[@]}" --device cuda:0 >/dev/null || return 1
     start_bg decode decode "${node[@]}" --device cuda:1 --local-prefill-below 0 \
@@ -356,7 +366,7 @@ gpus_cluster_body() {
     TANDEM_KV_TEST_CHUNK_DELAY_MS=300 start_bg prefill prefill "${node[@]}" --device cuda:0 >/dev/null || return 1
     ppid=$(cat "$DIR/prefill.pid")
     sleep 3
-    .device/tandem client --router "$router" --max-tokens 16 "$long" >"$DIR/killed.out" 2>"$OUT/client.log" &
+    .device/tandem client --router "$router" --max-tokens 16 "$fresh" >"$DIR/killed.out" 2>"$OUT/client.log" &
     echo $! >"$DIR/client.pid"
     sleep 0.7
     stop_bg prefill
@@ -367,7 +377,8 @@ gpus_cluster_body() {
     wait "$(cat "$DIR/client.pid")" || { echo "$backend: the client failed after the prefill node died"; cat "$OUT/client.log"; return 1; }
     rm -f "$DIR/client.pid"
     got=$(cat "$DIR/killed.out")
-    [[ "$gen_long" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen_long" "$got"; echo "$backend: prefill killed: wrong output"; return 1; }
+    [[ "$gen_fresh" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen_fresh" "$got"; echo "$backend: prefill killed: wrong output"; return 1; }
+    cat "$OUT/client.log"
     grep "remote prefill failed" "$OUT/decode.log" | tail -1
     grep -q "remote prefill failed" "$OUT/decode.log" || { echo "$backend: the decode node saw no failed transfer (was the kill mid-transfer?)"; return 1; }
     for ((i = 0; i < 50; i++)); do

@@ -128,7 +128,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match run(cli) {
+    let outcome = run(cli);
+    // Nodes' engines free their memory on threads of their own once the nodes are gone: exiting
+    // under them tears the CUDA driver down mid-free (a segfault at exit).
+    let running = tandem_node::wait_for_engine_threads(std::time::Duration::from_secs(10));
+    if running > 0 {
+        eprintln!("warning: {running} engine thread(s) still running at exit");
+    }
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -90,13 +90,33 @@ fn gone() -> EngineError {
     EngineError::Config("the engine thread has stopped".into())
 }
 
+/// Engine threads that may still be running, so the process can wait for them before it exits: an
+/// engine freeing its GPU memory while the exiting process tears the CUDA driver down crashes it.
+static THREADS: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>> = std::sync::Mutex::new(Vec::new());
+
+/// Waits up to `limit` for every engine thread of this process to end (each ends once the last
+/// handle to it and to its KV memory is gone, after dropping its engine); returns how many still run.
+/// Call it after the runtime that served the nodes is dropped, just before the process exits.
+pub fn wait_for_engine_threads(limit: Duration) -> usize {
+    let deadline = Instant::now() + limit;
+    loop {
+        let mut threads = THREADS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        threads.retain(|t| !t.is_finished());
+        if threads.is_empty() || Instant::now() >= deadline {
+            return threads.len();
+        }
+        drop(threads);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 impl EngineThread {
     /// Moves `engine` onto a new thread. `connector` is used for transfer plans (prefill role).
     /// `memory` is the engine's KV cache as registered for transfers: when the last handle is dropped the
     /// thread keeps the engine alive until nobody else references that memory.
     pub fn spawn(engine: Engine, connector: Option<Arc<Connector>>, memory: Option<Arc<KvMemory>>) -> std::io::Result<EngineThread> {
         let (tx, rx) = std_mpsc::channel();
-        std::thread::Builder::new().name("tandem-engine".into()).spawn(move || {
+        let thread = std::thread::Builder::new().name("tandem-engine".into()).spawn(move || {
             let worker = Worker::new(engine, connector);
             let engine = worker.run(rx);
             if let Some(memory) = memory {
@@ -106,6 +126,7 @@ impl EngineThread {
             }
             drop(engine);
         })?;
+        THREADS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(thread);
         Ok(EngineThread { cmds: tx })
     }
 

@@ -12,7 +12,7 @@ mod setup;
 pub mod tls;
 pub mod trace;
 
-pub use engine_thread::{EngineThread, Event, TransferPlan};
+pub use engine_thread::{EngineThread, Event, TransferPlan, wait_for_engine_threads};
 pub use error::NodeError;
 pub use peers::{PEER_WAIT, Peers};
 pub use setup::{NodeCore, NodeSetup, Weights, tokenizer_files_from_map, tokenizer_files_to_map};
