@@ -955,6 +955,9 @@ impl SendJob {
                     }
                     let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
                     link.send(Frame::Chunk(header).encode(), Payload::new(iovs, hold)).await?;
+                    if layer == 0 && first == 0 {
+                        tracing::debug!(id = desc.id, peer = link.peer(), "KV transfer: first chunk sent");
+                    }
                     self.progress.send_modify(|p| p.bytes += header.byte_len);
                 }
                 self.progress.send_modify(|p| p.layers = layer + 1);

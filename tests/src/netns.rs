@@ -2,7 +2,8 @@
 //! switch namespace holding a bridge, one namespace per host (`eth0` on the bridge through a veth,
 //! an address in a private 10.x.y.0/24, `lo` up), and one veth from the test's own namespace onto the
 //! bridge, so the test process reaches every host directly. Links between two hosts can be cut and
-//! healed, and impaired with `tc netem` where the kernel has it.
+//! healed, and impaired (random loss and a fixed delay, as `tc netem` would) with iptables and a
+//! user-space delayer on NFQUEUE, which kernels without sch_netem still have.
 //!
 //! Invariants:
 //! - Names are unique per test process and network (`tnd<pid>n<k>...`), so tests running in
@@ -144,30 +145,82 @@ impl Net {
         must(ip(&["-n", &b.ns, "route", "del", "blackhole", &format!("{}/32", a.ip)]));
     }
 
-    /// Impairs the packets between `a` and `b` (both directions, and nothing else of theirs) with
-    /// `tc netem ARGS` (e.g. `["delay", "50ms", "loss", "1%"]`): a prio qdisc on each side's `eth0`
-    /// sends the packets for the other into a netem band. `Err` names what the kernel refused (a
-    /// kernel without sch_netem or sch_prio says "Specified qdisc kind is unknown").
-    pub fn impair(&self, a: &Host, b: &Host, netem: &[&str]) -> Result<(), String> {
-        for (from, to) in [(a, b), (b, a)] {
-            let ns = from.ns.as_str();
-            run("tc", &["-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "prio", "bands", "4"])?;
-            let mut args = vec!["-n", ns, "qdisc", "add", "dev", "eth0", "parent", "1:4", "handle", "40:", "netem"];
-            args.extend_from_slice(netem);
-            run("tc", &args)?;
-            let dst = format!("{}/32", to.ip);
-            run(
-                "tc",
-                &["-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst", &dst, "flowid", "1:4"],
-            )?;
+    /// Impairs what `from` sends to `to` as `tc netem delay DELAY loss LOSS` on `from`'s interface
+    /// would, with what kernels without sch_netem still have: iptables in `to`'s namespace drops
+    /// `loss` (a fraction) of the packets arriving from `from` at random (the statistic match) and
+    /// queues the rest to NFQUEUE 0, where `delayer` (the `tandem-netdelay` binary, started inside
+    /// that namespace) holds each one `delay` before letting it in. Done on arrival, not on
+    /// departure: a sender's own packets held in a queue count against its socket (TCP small queues)
+    /// and throttle it to a couple of packets per round trip, which netem avoids by orphaning them.
+    /// Nothing else of either host's traffic is touched. `Err` says what this machine lacks (iptables,
+    /// the statistic match, NFQUEUE); the impairment ends when the returned value drops (or with the
+    /// network).
+    pub fn impair(
+        &self,
+        from: &Host,
+        to: &Host,
+        delay: std::time::Duration,
+        loss: f64,
+        delayer: &std::path::Path,
+    ) -> Result<Impairment, String> {
+        use std::io::BufRead;
+        let mut child = to
+            .command(delayer)
+            .args(["--queue", "0", "--delay-ms", &delay.as_millis().to_string()])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", delayer.display()))?;
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("piped");
+        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        if !line.starts_with("bound") {
+            let _ = child.kill();
+            let out = child.wait_with_output().map_err(|e| e.to_string())?;
+            return Err(format!("the delayer did not bind NFQUEUE 0: {}", String::from_utf8_lossy(&out.stderr).trim()));
         }
-        Ok(())
+        let imp = Impairment { ns: to.ns.clone(), delayer: Some(child) };
+        let src = format!("{}/32", from.ip);
+        let probability = format!("{loss}");
+        imp.iptables(&["-A", "INPUT", "-s", &src, "-m", "statistic", "--mode", "random", "--probability", &probability, "-j", "DROP"])?;
+        imp.iptables(&["-A", "INPUT", "-s", &src, "-j", "NFQUEUE", "--queue-num", "0"])?;
+        Ok(imp)
+    }
+}
+
+/// An impairment [`Net::impair`] set up: iptables rules in the receiving host's namespace and the
+/// delayer process serving their queue. Dropping it removes both.
+#[derive(Debug)]
+pub struct Impairment {
+    ns: String,
+    delayer: Option<std::process::Child>,
+}
+
+impl Impairment {
+    fn iptables(&self, args: &[&str]) -> Result<Output, String> {
+        let mut all = vec!["netns", "exec", &self.ns, "iptables"];
+        all.extend_from_slice(args);
+        ip(&all)
     }
 
-    /// Removes what [`Net::impair`] added on `a` and `b` (whatever part of it was added).
-    pub fn unimpair(&self, a: &Host, b: &Host) {
-        for h in [a, b] {
-            let _ = run("tc", &["-n", &h.ns, "qdisc", "del", "dev", "eth0", "root"]);
+    /// Packets the random-drop rule has dropped so far.
+    pub fn dropped(&self) -> Result<u64, String> {
+        let out = self.iptables(&["-L", "INPUT", "-v", "-x", "-n"])?;
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.contains("DROP") && l.contains("statistic"))
+            .and_then(|l| l.split_whitespace().next()?.parse().ok())
+            .ok_or_else(|| format!("no drop rule in {}'s INPUT chain", self.ns))
+    }
+}
+
+impl Drop for Impairment {
+    fn drop(&mut self) {
+        let _ = self.iptables(&["-F", "INPUT"]);
+        if let Some(mut c) = self.delayer.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }

@@ -3,10 +3,12 @@
 //! backend. The prefill↔decode link cut while a long prompt's KV is in flight: the request is still
 //! served (the decode node prefills it itself) with the uncut greedy output, and no block stays taken
 //! on either node. A decode node cut from etcd leaves routing within its lease TTL and serves again
-//! once healed. With 1% loss and 50 ms delay on the KV link (tc netem), transfers stay correct.
+//! once healed. With 1% loss and 50 ms delay on the KV link (as `tc netem` would impose them, made
+//! here with iptables and an NFQUEUE delayer: see `Net::impair`), transfers stay correct.
 //!
 //! Each test skips (with a message on stderr) only where network namespaces cannot be created; the
-//! netem test also where the kernel has no sch_netem. Everything is bounded in time, and the
+//! loss-and-delay test also where the kernel cannot drop or queue packets (iptables' statistic
+//! match, NFQUEUE). Everything is bounded in time, and the
 //! processes and namespaces are gone when a test ends, however it ends.
 
 use std::io::{Read, Write};
@@ -57,7 +59,7 @@ fn net_or_skip(test: &str) -> Option<Net> {
 /// etcd's data, then (in the test) the network.
 struct Lab {
     _router: Proc,
-    _prefill: Option<Proc>,
+    prefill: Option<Proc>,
     decode: Proc,
     _etcd: Proc,
     _etcd_dir: tempfile::TempDir,
@@ -70,6 +72,8 @@ struct Layout<'a> {
     etcd: &'a Host,
     router: &'a Host,
     prefill: Option<&'a Host>,
+    /// Environment of the prefill node (test hooks, log filters).
+    prefill_env: &'a [(&'a str, &'a str)],
     decode: &'a Host,
     decode_extra: &'a [&'a str],
 }
@@ -85,7 +89,11 @@ impl Lab {
             "router",
             tandem(layout.router, &["router", "--etcd", &etcd_endpoint, "--cluster-prefix", PREFIX, "--listen", &router_addr]),
         );
-        let prefill = layout.prefill.map(|h| Proc::spawn("prefill", tandem(h, &node_args(h, "prefill", &etcd_endpoint, model, &[]))));
+        let prefill = layout.prefill.map(|h| {
+            let mut c = tandem(h, &node_args(h, "prefill", &etcd_endpoint, model, &[]));
+            c.envs(layout.prefill_env.iter().copied());
+            Proc::spawn("prefill", c)
+        });
         let mut decode = Proc::spawn(
             "decode",
             tandem(layout.decode, &node_args(layout.decode, "decode", &etcd_endpoint, model, layout.decode_extra)),
@@ -98,7 +106,7 @@ impl Lab {
         }
         decode.wait_serving(START);
         decode.wait_line("metrics on http://", START);
-        Lab { _router: router, _prefill: prefill, decode, _etcd: etcd, _etcd_dir: dir, etcd_endpoint, router_addr }
+        Lab { _router: router, prefill, decode, _etcd: etcd, _etcd_dir: dir, etcd_endpoint, router_addr }
     }
 
     async fn client(&self) -> TandemClient<Channel> {
@@ -267,11 +275,13 @@ fn long_prompt(seed: u32, sentences: usize) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "open: GET /metrics on the prefill node's namespace address (HOST:9100) returns nothing even after the node printed `metrics on`; the cut itself is not reached yet"]
 async fn cutting_the_kv_link_mid_transfer_still_serves_the_request_and_strands_no_block() {
     let Some(mut net) = net_or_skip("cutting_the_kv_link_mid_transfer") else { return };
     let (ctl, pre, dec) = (net.add("ctl"), net.add("prefill"), net.add("decode"));
-    let lab = Lab::start(Layout { etcd: &ctl, router: &ctl, prefill: Some(&pre), decode: &dec, decode_extra: &[] });
+    // The prefill node paces its chunks (100 ms before each; ~90 chunks for this prompt) and says when
+    // the first one went out, so the cut lands while the transfer is in flight, whatever the machine.
+    let prefill_env = [("TANDEM_KV_TEST_CHUNK_DELAY_MS", "100"), ("TANDEM_LOG", "info,tandem_kv_transfer=debug")];
+    let lab = Lab::start(Layout { etcd: &ctl, router: &ctl, prefill: Some(&pre), prefill_env: &prefill_env, decode: &dec, decode_extra: &[] });
     lab.wait_routed((1, 1), Duration::from_secs(30)).await;
     let prompt = long_prompt(1, 80);
     let expected = tokio::task::spawn_blocking({
@@ -285,13 +295,11 @@ async fn cutting_the_kv_link_mid_transfer_still_serves_the_request_and_strands_n
     let mut client = lab.client().await;
     let req = request(&prompt, 16);
     let served = tokio::spawn(async move { generate(&mut client, req).await });
-    // The prefill node takes blocks when it starts computing the prompt, whose KV it pushes layer by
-    // layer as it goes: cut the link then.
     let t0 = Instant::now();
-    while metric(&pre, "tandem:kv_cache_blocks", &[r#"state="used""#]) == 0.0 {
-        assert!(t0.elapsed() < Duration::from_secs(60) && !served.is_finished(), "the prefill node never started the prompt");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let prefill = lab.prefill.as_ref().expect("a prefill node");
+    let started = tokio::task::block_in_place(|| prefill.stderr_shows("KV transfer: first chunk sent", REQUEST_LIMIT));
+    assert!(started, "the prefill node never sent a chunk; stderr:\n{}", prefill.stderr());
+    assert!(!served.is_finished(), "the request ended before the cut");
     net.cut(&pre, &dec);
     eprintln!("cut the prefill-decode link {:?} after the request started", t0.elapsed());
 
@@ -324,7 +332,7 @@ async fn cutting_the_kv_link_mid_transfer_still_serves_the_request_and_strands_n
 async fn a_decode_node_cut_from_etcd_leaves_routing_and_comes_back_when_healed() {
     let Some(mut net) = net_or_skip("a_decode_node_cut_from_etcd") else { return };
     let (store, ctl, dec) = (net.add("etcd"), net.add("router"), net.add("decode"));
-    let lab = Lab::start(Layout { etcd: &store, router: &ctl, prefill: None, decode: &dec, decode_extra: &["--colocated"] });
+    let lab = Lab::start(Layout { etcd: &store, router: &ctl, prefill: None, prefill_env: &[], decode: &dec, decode_extra: &["--colocated"] });
     lab.wait_routed((0, 1), Duration::from_secs(30)).await;
     let mut client = lab.client().await;
     let prompt = "The capital of France is";
@@ -366,21 +374,48 @@ fn wait_count(p: &Proc, needle: &str, n: usize) -> bool {
     true
 }
 
+/// The shortest of `tries` TCP connects from `from` to `addr` (HOST:PORT), timed inside `from`'s
+/// namespace: one round trip.
+fn connect_rtt(from: &Host, addr: &str, tries: usize) -> Duration {
+    let (host, port) = addr.rsplit_once(':').expect("HOST:PORT");
+    let script = format!(
+        "import socket, time\nbest = 99.0\nfor _ in range({tries}):\n    t = time.monotonic()\n    socket.create_connection(('{host}', {port}), 10).close()\n    best = min(best, time.monotonic() - t)\nprint(best)"
+    );
+    let out = from.command("python3").args(["-c", &script]).output().expect("python3");
+    assert!(out.status.success(), "timing a connect to {addr}: {}", String::from_utf8_lossy(&out.stderr));
+    Duration::from_secs_f64(String::from_utf8_lossy(&out.stdout).trim().parse().expect("seconds"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_percent_loss_and_50ms_delay_on_the_kv_link_keep_transfers_correct() {
     let Some(mut net) = net_or_skip("loss_and_delay_on_the_kv_link") else { return };
     let (ctl, pre, dec) = (net.add("ctl"), net.add("prefill"), net.add("decode"));
-    if let Err(why) = net.impair(&pre, &dec, &["delay", "50ms", "loss", "1%"]) {
-        eprintln!("SKIPPED loss_and_delay_on_the_kv_link: this kernel cannot emulate loss and delay (tc netem): {why}");
-        return;
-    }
-    let lab = Lab::start(Layout { etcd: &ctl, router: &ctl, prefill: Some(&pre), decode: &dec, decode_extra: &[] });
+    let lab = Lab::start(Layout { etcd: &ctl, router: &ctl, prefill: Some(&pre), prefill_env: &[], decode: &dec, decode_extra: &[] });
     lab.wait_routed((1, 1), Duration::from_secs(30)).await;
+    // What the prefill node sends the decode node (the KV, and its answers to the node API) loses 1 %
+    // of its packets and waits 50 ms, as `tc netem delay 50ms loss 1%` on the prefill host would.
+    let delayer = std::path::Path::new(env!("CARGO_BIN_EXE_tandem-netdelay"));
+    let impairment = match net.impair(&pre, &dec, Duration::from_millis(50), 0.01, delayer) {
+        Ok(i) => i,
+        Err(why) => {
+            assert!(!why.contains("No such file"), "iptables is missing (scripts/install-deps.sh installs it): {why}");
+            eprintln!("SKIPPED loss_and_delay_on_the_kv_link: this kernel cannot drop or queue packets (iptables statistic / NFQUEUE): {why}");
+            return;
+        }
+    };
+    let node = format!("{}:{NODE_PORT}", pre.ip);
+    let (impaired, clear) = (connect_rtt(&dec, &node, 5), connect_rtt(&ctl, &node, 5));
+    eprintln!("connect round trip to the prefill node: {impaired:?} from the decode node, {clear:?} from elsewhere");
+    assert!(impaired >= Duration::from_millis(50), "the impaired link's round trip is {impaired:?}");
+    assert!(clear < Duration::from_millis(25), "an unimpaired link's round trip is {clear:?}");
+
+    // Four at once over the one impaired link, ~15 MB of KV each.
     let prompts: Vec<String> = (10..14).map(|i| long_prompt(i, 16)).collect();
     let expected = tokio::task::spawn_blocking({
         let p = prompts.clone();
         move || reference(&p, 12)
     });
+    let t0 = Instant::now();
     let mut tasks = Vec::new();
     for p in &prompts {
         let mut client = lab.client().await;
@@ -391,13 +426,19 @@ async fn one_percent_loss_and_50ms_delay_on_the_kv_link_keep_transfers_correct()
     for t in tasks {
         got.push(t.await.expect("task").expect("request over the impaired link"));
     }
+    eprintln!("{} requests over the impaired link in {:?}", prompts.len(), t0.elapsed());
     assert_eq!(got, expected.await.expect("reference"), "outputs over the impaired KV link differ");
-    assert_eq!(metric(&dec, "tandem:local_prefill_total", &[]), 0.0, "a request fell back to local prefill");
-    assert_eq!(metric(&dec, "tandem:kv_transfer_failures_total", &[]), 0.0, "a transfer failed");
-    assert_eq!(metric(&pre, "tandem:kv_transfer_failures_total", &[]), 0.0, "a transfer failed");
-    assert_eq!(metric(&dec, "tandem:kv_transfers_total", &[]), prompts.len() as f64, "not every prompt moved over the KV link");
+    let warnings = |p: &Proc| p.stderr().lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).collect::<Vec<_>>().join("\n");
+    let why = format!("decode node:\n{}\nprefill node:\n{}", warnings(&lab.decode), lab.prefill.as_ref().map(warnings).unwrap_or_default());
+    assert_eq!(metric(&dec, "tandem:local_prefill_total", &[]), 0.0, "a request fell back to local prefill; {why}");
+    assert_eq!(metric(&dec, "tandem:kv_transfer_failures_total", &[]), 0.0, "a transfer failed; {why}");
+    assert_eq!(metric(&pre, "tandem:kv_transfer_failures_total", &[]), 0.0, "a transfer failed; {why}");
+    assert_eq!(metric(&dec, "tandem:kv_transfers_total", &[]), prompts.len() as f64, "not every prompt moved over the KV link; {why}");
+    let dropped = impairment.dropped().expect("drop counter");
+    eprintln!("packets dropped on the way: {dropped}");
+    assert!(dropped > 0, "no packet was lost: the link was not impaired");
     lab.wait_blocks_free(2).await;
-    net.unimpair(&pre, &dec);
+    drop(impairment);
     drop(lab);
     drop(net);
 }
