@@ -7,8 +7,11 @@ For every container that runs the tandem image it rebuilds the command line Kube
 (the Dockerfile's ENTRYPOINT, then the container's args, with $(VAR) expanded from the container's
 env as the kubelet does; values from the downward API become sample values) and runs it:
 `router|prefill|decode|up ...` with `--check` appended (the binary validates every flag and exits),
-`model pull NAME` as it is (idempotent; the model cache is this machine's). It also checks that
-gRPC probes ask a port the container declares for a service tandem serves, that a node
+`model pull NAME` as it is (idempotent; the model cache is this machine's). Paths inside mounted
+Secrets (TLS certificates, the API-key file) point at stand-ins made here (a throwaway CA from
+`tandem cert`, a sample key). It also checks that gRPC probes ask a port the container declares for a
+service tandem serves (and, where the container serves TLS, which kubelet's gRPC probes cannot
+speak, that its probes are TCP on the gRPC port or GET /health where tandem serves it), that a node
 asks for a GPU exactly when it runs on one and mounts /dev/shm, that terminationGracePeriodSeconds
 covers the preStop sleep plus the --drain-timeout, and that every ServiceMonitor endpoint names a
 port of a Service it selects.
@@ -19,8 +22,10 @@ Exit status 0 when everything holds; otherwise one line per failure on stderr an
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import yaml
 
@@ -79,13 +84,53 @@ def flag(argv, name):
     return None
 
 
-def check_container(tandem, entry, where, pod, c):
+def secret_files(pod, c, argv, tandem, scratch):
+    """Where the container mounts a Secret, files this machine can check the command line with:
+    paths under such a mount are rewritten into a scratch directory holding what the Secret would
+    (tls.crt, tls.key and ca.crt: a throwaway CA's from `tandem cert`; any other file: an API key).
+    Returns the rewritten argv."""
+    secret_volumes = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
+    mounts = [m for m in c.get("volumeMounts", []) if m["name"] in secret_volumes]
+    out = []
+    for a in argv:
+        for m in mounts:
+            mp = m["mountPath"].rstrip("/") + "/"
+            key, sep, path = a.partition("=")
+            if sep and path.startswith(mp):
+                local = os.path.join(scratch, m["name"])
+                name = path[len(mp):]
+                materialize(tandem, local, name)
+                a = f"{key}={os.path.join(local, name)}"
+        out.append(a)
+    return out
+
+
+def materialize(tandem, local, name):
+    os.makedirs(local, exist_ok=True)
+    target = os.path.join(local, name)
+    if os.path.exists(target):
+        return
+    if name in ("tls.crt", "tls.key", "ca.crt"):
+        certs = os.path.join(local, "made")
+        if not os.path.exists(certs):
+            subprocess.run([tandem, "cert", "--out", certs, "--hosts", "10.1.2.3,localhost", "--names", "pod"],
+                           check=True, capture_output=True, timeout=60)
+        src = {"tls.crt": "pod.pem", "tls.key": "pod-key.pem", "ca.crt": "ca.pem"}[name]
+        with open(os.path.join(certs, src), "rb") as f, open(target, "wb") as g:
+            g.write(f.read())
+    else:
+        with open(target, "w", encoding="utf-8") as g:
+            g.write("sk-check-deploy-0123456789\n")
+
+
+def check_container(tandem, entry, where, pod, c, scratch):
     if c.get("command"):
         argv = list(c["command"]) + list(c.get("args", []))
     else:
         argv = list(entry) + list(c.get("args", []))
     env = container_env(c)
     argv = [expand(str(a), env) for a in argv]
+    argv = secret_files(pod, c, argv, tandem, scratch)
     if os.path.basename(argv[0]) != "tandem":
         fail(f"{where}: runs {argv[0]!r}, not tandem")
         return
@@ -112,6 +157,44 @@ def check_container(tandem, entry, where, pod, c):
         check_probes_and_grace(where, pod, c, args)
 
 
+def port_number(c, port):
+    """A probe's port (a number or a declared port's name) as a number, or None if undeclared."""
+    for p in c.get("ports", []):
+        if port in (p["containerPort"], p.get("name")):
+            return p["containerPort"]
+    return None
+
+
+def check_plain_probe(where, kind, probe, c, args):
+    """Probes of a TLS deployment (kubelet's gRPC probes speak no TLS): TCP on the gRPC port, or GET
+    /health on the router's HTTPS API or a node's plain-HTTP metrics port."""
+    tls = flag(args, "--tls-cert") is not None
+    if not tls:
+        fail(f"{where}: {kind} is not a gRPC probe, though the container serves no TLS")
+        return
+    if "tcpSocket" in probe:
+        port = port_number(c, probe["tcpSocket"]["port"])
+        listen = flag(args, "--listen") or ""
+        if port is None or not listen.endswith(f":{port}"):
+            fail(f"{where}: {kind} connects to port {probe['tcpSocket']['port']}, not the --listen port ({listen})")
+        return
+    get = probe.get("httpGet")
+    if not get:
+        fail(f"{where}: {kind} is neither gRPC, TCP nor HTTP GET")
+        return
+    port = port_number(c, get["port"])
+    if get.get("path") != "/health":
+        fail(f"{where}: {kind} asks {get.get('path')!r}, tandem's health is /health")
+    if args[0] in ("router", "up"):
+        want, scheme = flag(args, "--http-listen") or "", "HTTPS"
+    else:
+        want, scheme = flag(args, "--metrics-listen") or "", "HTTP"
+    if port is None or not want.endswith(f":{port}"):
+        fail(f"{where}: {kind} asks port {get['port']}, where tandem serves no /health ({want or 'nothing'})")
+    if get.get("scheme", "HTTP") != scheme:
+        fail(f"{where}: {kind} uses {get.get('scheme', 'HTTP')}, the port speaks {scheme}")
+
+
 def check_probes_and_grace(where, pod, c, args):
     ports = {p["containerPort"] for p in c.get("ports", [])} | {p["name"] for p in c.get("ports", []) if "name" in p}
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -121,8 +204,10 @@ def check_probes_and_grace(where, pod, c, args):
             continue
         grpc = probe.get("grpc")
         if not grpc:
-            fail(f"{where}: {kind} is not a gRPC probe")
+            check_plain_probe(where, kind, probe, c, args)
             continue
+        if flag(args, "--tls-cert") is not None:
+            fail(f"{where}: {kind} is a gRPC probe, which kubelet cannot send over the container's TLS")
         if grpc["port"] not in ports:
             fail(f"{where}: {kind} asks port {grpc['port']}, which the container does not declare")
         listen = flag(args, "--listen")
@@ -154,6 +239,7 @@ def selects(selector, labels):
 def main():
     tandem, dockerfile, rendered = sys.argv[1:4]
     entry = entrypoint(dockerfile)
+    scratch = tempfile.mkdtemp(prefix="check-deploy-")
     docs = [d for d in yaml.safe_load_all(open(rendered, encoding="utf-8")) if d]
     image_repo = None
     checked = 0
@@ -169,7 +255,7 @@ def main():
                 if image_repo and repo != image_repo:
                     fail(f"{where}: image {c['image']} is not the tandem image {image_repo}")
                 image_repo = repo
-                check_container(tandem, entry, where, pod, c)
+                check_container(tandem, entry, where, pod, c, scratch)
                 checked += 1
         if d["kind"] == "ServiceMonitor":
             selected = [s for s in services if selects(d["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))]
@@ -181,6 +267,7 @@ def main():
                     fail(f"ServiceMonitor/{d['metadata']['name']}: endpoint port {ep['port']!r} is on no selected Service")
     if checked == 0:
         fail("no tandem container rendered")
+    shutil.rmtree(scratch, ignore_errors=True)
     for f in failures:
         print(f"FAIL {f}", file=sys.stderr)
     sys.exit(1 if failures else 0)

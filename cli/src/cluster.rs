@@ -473,16 +473,32 @@ enum Announce {
     Log,
 }
 
-/// Serves `GET /metrics` for `core` on `listener` for the life of the process.
-fn serve_node_metrics(core: Arc<NodeCore>, listener: TcpListener) {
-    use axum::http::header;
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let core = Arc::clone(&core);
-            async move { ([(header::CONTENT_TYPE, tandem_node::metrics::CONTENT_TYPE)], tandem_node::metrics::render_node(&core).await) }
-        }),
-    );
+/// Serves `GET /metrics` for `core` on `listener` for the life of the process, and `GET /health`:
+/// 200 while the node serves, 503 once it drains or its engine is gone (what its gRPC health says;
+/// plain HTTP, so probes work where the node API is mutual TLS, which kubelet cannot speak).
+fn serve_node_metrics(core: Arc<NodeCore>, health: Health, listener: TcpListener) {
+    use axum::http::{StatusCode, header};
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let core = Arc::clone(&core);
+                async move { ([(header::CONTENT_TYPE, tandem_node::metrics::CONTENT_TYPE)], tandem_node::metrics::render_node(&core).await) }
+            }),
+        )
+        .route(
+            "/health",
+            axum::routing::get(move || {
+                let health = health.clone();
+                async move {
+                    if health.serving().await {
+                        (StatusCode::OK, "SERVING\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "NOT_SERVING\n")
+                    }
+                }
+            }),
+        );
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::warn!(error = %e, "serving metrics stopped");
@@ -514,6 +530,7 @@ async fn serve_node(
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let (deadline_tx, deadline_rx) = tokio::sync::oneshot::channel();
     let server = service.router(&health)?;
+    let health_view = health.clone();
     let idle_core = Arc::clone(&core);
     let shutdown = async move {
         stop.signal.await;
@@ -533,7 +550,7 @@ async fn serve_node(
         println!("tandem {role_name} serving on {grpc_addr}");
         if let Some(m) = metrics {
             let addr = m.local_addr()?;
-            serve_node_metrics(Arc::clone(&core), m);
+            serve_node_metrics(Arc::clone(&core), health_view, m);
             println!("tandem {role_name}: metrics on http://{addr}/metrics");
         }
         let _ = std::io::stdout().flush();

@@ -235,6 +235,11 @@ fn metrics_count_exactly_the_requests_served() {
     let http = c.http.clone().expect("HTTP listener");
     let decode = wait_metrics(&mut c.decode[0]);
     wait_nodes(&http);
+    // Plain-HTTP health beside /metrics: what probes ask where the node API is mutual TLS.
+    for addr in [&prefill, &decode] {
+        let r = request(addr, "GET", "/health", None);
+        assert_eq!((r.status, r.body.trim()), (200, "SERVING"), "{addr}");
+    }
 
     let before = scrape(&http);
     let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0.0, 0.0, 0.0);

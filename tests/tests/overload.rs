@@ -333,6 +333,7 @@ fn a_full_router_answers_429_and_resource_exhausted_at_once() {
         let grpc = generate(c.client().await, text_request("Hi".into(), 2, "refused"), Duration::from_secs(30)).await;
         signal(&c.decode, "-CONT");
         assert_eq!(refused.status, 429, "{}", refused.body);
+        assert_eq!(refused.header("retry-after"), Some("1"), "{:?}", refused.headers);
         let e = refused.json();
         assert_eq!(e["error"]["type"], "rate_limit_error", "{e}");
         assert_eq!(e["error"]["code"], "rate_limit_exceeded", "{e}");

@@ -69,6 +69,12 @@ impl Health {
     async fn is_draining(&self) -> bool {
         *self.draining.lock().await
     }
+
+    /// Whether the server's own status (`""`) is SERVING: until it drains (for a node, also until its
+    /// engine thread is gone, which drains it).
+    pub(super) async fn serving(&self) -> bool {
+        !self.is_draining().await
+    }
 }
 
 /// Turns `health` NOT_SERVING if the node's engine thread stops answering (checked every second);

@@ -4,7 +4,9 @@
 //! templates get `raise_exception(msg)` (fails the render with `msg`), `strftime_now(fmt)`
 //! (current UTC time) and the Python string/dict methods HF templates commonly call
 //! (`strip`, `startswith`, `items`, `get`, ...); a render never panics, every failure is an
-//! [`Error::ChatTemplate`].
+//! [`Error::ChatTemplate`]. A render is bounded whatever the template: at most [`FUEL`]
+//! instructions, [`MAX_OUTPUT`] bytes of output and minijinja's recursion limit (500), so a hostile
+//! or broken template fails one request instead of pinning a core or filling memory.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -15,6 +17,31 @@ use super::ChatMessage;
 use crate::Error;
 
 const NAME: &str = "chat";
+
+/// Most template instructions one render may execute: real chat templates need tens per message,
+/// so this covers conversations far past any context window and stops a runaway loop in well
+/// under a second.
+const FUEL: u64 = 5_000_000;
+
+/// Most bytes one render may write (a prompt is far shorter: the router refuses long ones first).
+const MAX_OUTPUT: usize = 8 << 20;
+
+/// The render's output, refused past [`MAX_OUTPUT`].
+struct Capped(Vec<u8>);
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_OUTPUT {
+            return Err(std::io::Error::other(format!("the rendered prompt exceeds {} MiB", MAX_OUTPUT >> 20)));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// A compiled chat template.
 #[derive(Debug)]
@@ -39,6 +66,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.set_unknown_method_callback(python_method);
+        env.set_fuel(Some(FUEL));
         env.add_template_owned(NAME, source)
             .map_err(|e| format!("template does not compile: {e}"))?;
         Ok(ChatTemplate { env })
@@ -50,16 +78,21 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        let mut out = Capped(Vec::new());
         template
-            .render(context! {
-                messages => input.messages,
-                add_generation_prompt => input.add_generation_prompt,
-                bos_token => input.bos_token,
-                eos_token => input.eos_token,
-                tools => Value::from(()),
-                documents => Value::from(()),
-            })
-            .map_err(|e| Error::ChatTemplate(describe(&e)))
+            .render_to_write(
+                context! {
+                    messages => input.messages,
+                    add_generation_prompt => input.add_generation_prompt,
+                    bos_token => input.bos_token,
+                    eos_token => input.eos_token,
+                    tools => Value::from(()),
+                    documents => Value::from(()),
+                },
+                &mut out,
+            )
+            .map_err(|e| Error::ChatTemplate(describe(&e)))?;
+        String::from_utf8(out.0).map_err(|_| Error::ChatTemplate("the template rendered invalid UTF-8".into()))
     }
 }
 
@@ -484,5 +517,29 @@ mod tests {
     fn syntax_errors_fail_compile() {
         assert!(ChatTemplate::compile("{% if %}".to_string()).is_err());
         assert!(ChatTemplate::compile("{{ x ".to_string()).is_err());
+    }
+
+    #[test]
+    fn hostile_templates_fail_their_render_within_bounds() {
+        let m = [msg("user", "hi")];
+        let t0 = std::time::Instant::now();
+        // A loop of 10^10 iterations: out of fuel.
+        let spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let e = render(spin, &m).unwrap_err().to_string();
+        assert!(e.contains("fuel"), "{e}");
+        // Unbounded recursion: minijinja's recursion limit.
+        let deep = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
+        let e = render(deep, &m).unwrap_err().to_string();
+        assert!(e.contains("recursion"), "{e}");
+        // 100 MB of output from little work: refused at the output bound.
+        let flood = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}";
+        let e = render(flood, &m).unwrap_err().to_string();
+        assert!(e.contains("exceeds 8 MiB"), "{e}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30), "bounded renders took {:?}", t0.elapsed());
+        // The bounds leave room for real use: a long conversation renders.
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let long: Vec<ChatMessage> = (0..20_000).map(|i| msg(if i % 2 == 0 { "user" } else { "assistant" }, "some words here")).collect();
+        let out = render(chatml, &long).expect("a long conversation");
+        assert_eq!(out.matches("<|im_start|>").count(), 20_000);
     }
 }

@@ -145,6 +145,15 @@ impl From<NodeError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        super::json_response(self.status(), self.to_json())
+        let mut response = super::json_response(self.status(), self.to_json());
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // The bound is on work waiting now, which drains in about a second: clients that honour
+            // Retry-After (the openai package does) come back then instead of at once.
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
     }
 }

@@ -88,3 +88,32 @@ lifecycle:
       command: ["sleep", "{{ .preStopSleepSeconds }}"]
 {{- end }}
 {{- end -}}
+
+{{/* --tls-cert/--tls-key/--tls-ca from .Values.tls (args lines), when enabled. */}}
+{{- define "tandem.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+{{- if not .Values.tls.secretName }}{{ fail "tls.enabled needs tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" }}{{ end }}
+- --tls-cert={{ .Values.tls.mountPath }}/tls.crt
+- --tls-key={{ .Values.tls.mountPath }}/tls.key
+- --tls-ca={{ .Values.tls.mountPath }}/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/* The TLS Secret's volumeMounts entry, when enabled. */}}
+{{- define "tandem.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The TLS Secret's volumes entry, when enabled. */}}
+{{- define "tandem.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
