@@ -26,15 +26,20 @@ const FUEL: u64 = 5_000_000;
 /// Most bytes one render may write (a prompt is far shorter: the router refuses long ones first).
 const MAX_OUTPUT: usize = 8 << 20;
 
-/// The render's output, refused past [`MAX_OUTPUT`].
-struct Capped(Vec<u8>);
+/// The render's output, refused past [`MAX_OUTPUT`] (minijinja reports only that writing failed, so
+/// the reason is kept here).
+struct Capped {
+    out: Vec<u8>,
+    overflowed: bool,
+}
 
 impl std::io::Write for Capped {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if self.0.len() + buf.len() > MAX_OUTPUT {
-            return Err(std::io::Error::other(format!("the rendered prompt exceeds {} MiB", MAX_OUTPUT >> 20)));
+        if self.out.len() + buf.len() > MAX_OUTPUT {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output bound"));
         }
-        self.0.extend_from_slice(buf);
+        self.out.extend_from_slice(buf);
         Ok(buf.len())
     }
 
@@ -78,7 +83,7 @@ impl ChatTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| Error::ChatTemplate(e.to_string()))?;
-        let mut out = Capped(Vec::new());
+        let mut out = Capped { out: Vec::new(), overflowed: false };
         template
             .render_to_write(
                 context! {
@@ -91,8 +96,14 @@ impl ChatTemplate {
                 },
                 &mut out,
             )
-            .map_err(|e| Error::ChatTemplate(describe(&e)))?;
-        String::from_utf8(out.0).map_err(|_| Error::ChatTemplate("the template rendered invalid UTF-8".into()))
+            .map_err(|e| {
+                Error::ChatTemplate(if out.overflowed {
+                    format!("the rendered prompt exceeds {} MiB", MAX_OUTPUT >> 20)
+                } else {
+                    describe(&e)
+                })
+            })?;
+        String::from_utf8(out.out).map_err(|_| Error::ChatTemplate("the template rendered invalid UTF-8".into()))
     }
 }
 
