@@ -85,7 +85,7 @@ impl ChatTemplate {
             .map_err(|e| Error::ChatTemplate(e.to_string()))?;
         let mut out = Capped { out: Vec::new(), overflowed: false };
         template
-            .render_to_write(
+            .render_captured_to(
                 context! {
                     messages => input.messages,
                     add_generation_prompt => input.add_generation_prompt,
