@@ -760,8 +760,11 @@ pub(crate) fn check_gpus(devices: &[tandem_engine::Device], colocated: bool) -> 
     Ok(())
 }
 
-pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
+pub(crate) fn run_up(mut args: UpArgs) -> anyhow::Result<()> {
     check_gpus(&args.devices, args.colocated)?;
+    if let Some(&first) = args.devices.first() {
+        args.engine.device = first; // the model is prepared (and checked) for a GPU
+    }
     if args.check {
         check::engine(&args.engine, &args.kv_connector)?;
         check_tls(&args.tls, None)?;
@@ -772,10 +775,6 @@ pub(crate) fn run_up(args: UpArgs) -> anyhow::Result<()> {
         tandem_router::read_key_file(file).map_err(anyhow::Error::msg)?;
     }
     let tls = args.tls.load()?;
-    let mut args = args;
-    if let Some(&first) = args.devices.first() {
-        args.engine.device = first; // the model is prepared (and --random-weights checked) for a GPU
-    }
     let (dir, weights, model_name, engine) = match args.random_weights {
         Some(geometry) => {
             let engine = args.engine.config(true)?;

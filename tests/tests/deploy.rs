@@ -36,6 +36,12 @@ fn a_good_node_command_line_passes_without_pulling_or_binding() {
         assert!(ok, "{role}: {err}");
         assert_eq!(out, format!("tandem {role}: command line ok"));
     }
+    // One node per GPU: the GPUs stand for --device (no GPU is opened by --check).
+    for backend in ["cuda-ipc", "nccl"] {
+        let (ok, out, err) = check(&["up", "--devices", "cuda:0,cuda:1", "--kv-connector", backend]);
+        assert!(ok, "{backend}: {err}");
+        assert_eq!(out, "tandem up: command line ok");
+    }
 }
 
 #[test]
@@ -49,6 +55,9 @@ fn bad_command_lines_fail_with_the_flag_named() {
         (&["router", "--etcd", "http://e:2379", "--ttl", "0"], "--ttl must be at least 1"),
         (&["router", "--etcd", "http://e:2379", "--cluster-prefix", "/"], "--cluster-prefix \"/\" is empty"),
         (&["up", "--kv-connector", "cuda-ipc"], "needs --device cuda"),
+        (&["up", "--devices", "cuda:0"], "--devices cuda:0: name two GPUs or more"),
+        (&["up", "--devices", "cuda:1,cuda:1"], "--devices names cuda:1 twice"),
+        (&["up", "--devices", "cuda:0,cuda:1,cuda:2"], "one prefill and one decode node, on two GPUs"),
     ];
     for (args, want) in cases {
         let (ok, out, err) = check(args);
