@@ -189,19 +189,25 @@ start_bg() {
 
 stop_bg() { [[ -f "$DIR/$1.pid" ]] && kill -9 "$(cat "$DIR/$1.pid")" 2>/dev/null; rm -f "$DIR/$1.pid"; return 0; }
 
+# Starts .device/etcd in a fresh $DIR, clients on 127.0.0.1:PORT, peers on PEER_PORT, its output in
+# $OUT/LOG; waits (up to 10 s) until the client port accepts.
+start_etcd() {
+    local port=$1 peer=$2 log=$3 i
+    DIR=$(mktemp -d)
+    .device/etcd --data-dir "$DIR/etcd" --listen-client-urls "http://127.0.0.1:$port" \
+        --advertise-client-urls "http://127.0.0.1:$port" --listen-peer-urls "http://127.0.0.1:$peer" >"$OUT/$log" 2>&1 &
+    echo $! >"$DIR/etcd.pid"
+    for ((i = 0; i < 100; i++)); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+        sleep 0.1
+    done
+}
+
 stage_cluster2() {
     local model="$CUDA_REF_DIR/small"
     [[ -f "$model/config.json" ]] || { echo "no $model: run the reference stage first"; return 1; }
     [[ -x .device/etcd ]] || { echo "no .device/etcd (copy Debian's /usr/bin/etcd there)"; return 1; }
-    DIR=$(mktemp -d)
-    .device/etcd --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23791 \
-        --advertise-client-urls http://127.0.0.1:23791 --listen-peer-urls http://127.0.0.1:23801 >"$OUT/etcd.log" 2>&1 &
-    echo $! >"$DIR/etcd.pid"
-    local i
-    for ((i = 0; i < 100; i++)); do
-        (exec 3<>/dev/tcp/127.0.0.1/23791) 2>/dev/null && break
-        sleep 0.1
-    done
+    start_etcd 23791 23801 etcd.log
     local rc=0
     cluster2_body || rc=$?
     for p in client router prefill decode etcd; do stop_bg "$p"; done
@@ -308,15 +314,7 @@ stage_gpus_cluster() {
     [[ -x .device/etcd ]] || { echo "no .device/etcd (copy Debian's /usr/bin/etcd there)"; return 1; }
     local rc=0 backend
     for backend in nccl cuda-ipc; do
-        DIR=$(mktemp -d)
-        .device/etcd --data-dir "$DIR/etcd" --listen-client-urls http://127.0.0.1:23792 \
-            --advertise-client-urls http://127.0.0.1:23792 --listen-peer-urls http://127.0.0.1:23802 >"$OUT/etcd-$backend.log" 2>&1 &
-        echo $! >"$DIR/etcd.pid"
-        local i
-        for ((i = 0; i < 100; i++)); do
-            (exec 3<>/dev/tcp/127.0.0.1/23792) 2>/dev/null && break
-            sleep 0.1
-        done
+        start_etcd 23792 23802 "etcd-$backend.log"
         echo "---- $backend: prefill node on cuda:0, decode node on cuda:1"
         gpus_cluster_body "$backend" || rc=1
         for p in client router prefill decode etcd; do stop_bg "$p"; done
@@ -326,7 +324,7 @@ stage_gpus_cluster() {
 }
 
 gpus_cluster_body() {
-    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long fresh gen gen_long gen_fresh got used
+    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long fresh gen gen_long gen_fresh got used i
     local node=(--etcd "$etcd" --ttl 2 --model "$model" --kv-connector "$backend")
     prompt="the quick brown fox jumps over the lazy dog and then runs far away into the forest"
     long=$(for i in $(seq 1 120); do printf 'sentence %d of a long document about ships. ' "$i"; done)
