@@ -112,3 +112,98 @@ extern "C" __global__ void kv_copy_blocks(const unsigned char* __restrict__ src,
         }
     }
 }
+
+// Several chunks in one launch (segments), each with its own pair of block arrays (one layer of
+// each pool) and its own checksum: what a transfer that pipelines several layers enqueues at once.
+// `table` holds, as u64: src_base[nseg], dst_base[nseg], start[nseg + 1]; segment s is pairs
+// [start[s], start[s+1]) of src_ids / dst_ids (starts strictly increasing from 0); its pair i reads
+// block src_ids[i] of the array at src_base[s] and (when do_copy) writes block dst_ids[i] of the
+// array at dst_base[s]. checksums[s] (when non-null) receives += the sum of the word terms of
+// segment s's bytes read, the payload word index counted from the segment's first pair, exactly
+// what kv_copy_blocks gives for that chunk alone; bad ids are skipped and poison their segment's
+// sum the same way.
+// Grid: any number of CTAs of a multiple of 32 threads; warp w takes the contiguous run of tasks
+// [w * per, (w + 1) * per) (a task: KV_TASK_VECS vectors of one block), so it flushes its sum (a
+// warp reduction, one atomic) only when its run leaves a segment and at its end.
+extern "C" __global__ void kv_copy_segments(const u64* __restrict__ table, int nseg,
+                                            const u32* __restrict__ src_ids, u32 src_num_blocks,
+                                            const u32* __restrict__ dst_ids, u32 dst_num_blocks,
+                                            int block_vecs, u64* __restrict__ checksums, int do_copy) {
+    const int lane = threadIdx.x & 31;
+    const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    const u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u64* src_bases = table;
+    const u64* dst_bases = table + nseg;
+    const u64* starts = table + 2 * (u64)nseg;
+    const u64 slices = (u64)((block_vecs + KV_TASK_VECS - 1) / KV_TASK_VECS);
+    const u64 tasks = starts[nseg] * slices;
+    const u64 per = (tasks + warps - 1) / warps;
+    const u64 t0 = warp * per;
+    const u64 t1 = min(t0 + per, tasks);
+    if (t0 >= t1) return;  // warp-uniform; no barrier below
+    const size_t block_bytes = (size_t)block_vecs * 16;
+    // The segment of the run's first pair: the last s with starts[s] <= i (warp-uniform search).
+    int s = 0;
+    {
+        const u64 i0 = t0 / slices;
+        int lo = 0, hi = nseg - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (starts[mid] <= i0) lo = mid; else hi = mid - 1;
+        }
+        s = lo;
+    }
+    u64 acc = 0;
+    for (u64 t = t0; t < t1; t++) {  // warp-uniform
+        const u64 i = t / slices;
+        while (i >= starts[s + 1]) {
+            if (checksums) {
+                acc = kv_warp_sum_u64(acc);
+                if (lane == 0 && acc != 0) atomicAdd(&checksums[s], acc);
+            }
+            acc = 0;
+            s++;
+        }
+        const int v0 = (int)(t - i * slices) * KV_TASK_VECS;
+        const u32 sid = src_ids[i];
+        const u32 did = do_copy ? dst_ids[i] : 0u;
+        if (sid >= src_num_blocks || (do_copy && did >= dst_num_blocks)) {
+            if (lane == 0 && v0 == 0) acc += KV_BAD_BLOCK;
+            continue;
+        }
+        const uint4* src = reinterpret_cast<const uint4*>((const unsigned char*)src_bases[s] + (size_t)sid * block_bytes);
+        uint4 x[KV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KV_UNROLL; u++) {
+            const int v = v0 + u * 32 + lane;
+            if (v < block_vecs) x[u] = src[v];
+        }
+        if (do_copy) {
+            uint4* dst = reinterpret_cast<uint4*>((unsigned char*)dst_bases[s] + (size_t)did * block_bytes);
+#pragma unroll
+            for (int u = 0; u < KV_UNROLL; u++) {
+                const int v = v0 + u * 32 + lane;
+                if (v < block_vecs) dst[v] = x[u];
+            }
+        }
+        if (checksums) {
+            const u64 k_in_seg = i - starts[s];
+            const u64 j0 = k_in_seg * (u64)block_vecs * 2 + 2 * (u64)(v0 + lane);
+            const u64 k0 = j0 * KV_WORD_MUL + KV_WORD_ADD;
+#pragma unroll
+            for (int u = 0; u < KV_UNROLL; u++) {
+                const int v = v0 + u * 32 + lane;
+                if (v < block_vecs) {
+                    const u64 k = k0 + (u64)(u * 64) * KV_WORD_MUL;
+                    const u64 w0 = (u64)x[u].x | ((u64)x[u].y << 32);
+                    const u64 w1 = (u64)x[u].z | ((u64)x[u].w << 32);
+                    acc += kv_fmix64(w0 ^ k) + kv_fmix64(w1 ^ (k + KV_WORD_MUL));
+                }
+            }
+        }
+    }
+    if (checksums) {
+        acc = kv_warp_sum_u64(acc);
+        if (lane == 0 && acc != 0) atomicAdd(&checksums[s], acc);
+    }
+}

@@ -1561,6 +1561,137 @@ fn kv_copy_skips_bad_ids_and_poisons_the_checksum() {
     assert_ne!(copied, clean);
 }
 
+/// Several chunks in one segmented launch, each between its own pair of arrays (layers) with its
+/// own counter: every chosen block arrives, every other keeps its poison, and each segment's
+/// checksum equals the CPU checksum of its own blocks (and `kv_copy_blocks` of that chunk alone),
+/// on the copy and on a check-only pass over the destination; a bad id poisons only its segment.
+fn check_kv_segments(g: &Gpu, stream: &cuda::CudaStream, sizes: &[u32], block_bytes: usize, bad: Option<(usize, usize)>, seed: u64) {
+    let mut r = rng(seed);
+    let most = *sizes.iter().max().expect("segments") as usize;
+    let (src_blocks, dst_blocks) = (2 * most + 3, most + 5);
+    let bb = block_bytes as u64;
+    let what = format!("segments {sizes:?} block_bytes={block_bytes} bad={bad:?}");
+    let mut src_hosts = Vec::new();
+    let (mut srcs, mut dsts) = (Vec::new(), Vec::new());
+    let (mut all_src, mut all_dst) = (Vec::new(), Vec::new());
+    let mut segments = Vec::new();
+    for (k, &n) in sizes.iter().enumerate() {
+        let host = rand_blocks(&mut r, src_blocks, block_bytes);
+        let src = g.upload(&host).unwrap();
+        let dst = g.upload(&poisoned_blocks(dst_blocks, block_bytes)).unwrap();
+        let mut src_ids = distinct_ids(&mut r, n as usize, src_blocks);
+        let dst_ids = distinct_ids(&mut r, n as usize, dst_blocks);
+        if let Some((seg, i)) = bad
+            && seg == k
+        {
+            src_ids[i] = src_blocks as u32; // exactly the bound
+        }
+        segments.push(cuda::KvSegment {
+            src: cuda::BlockArray::of(g, &src.as_view(), bb).base,
+            dst: cuda::BlockArray::of(g, &dst.as_view(), bb).base,
+            blocks: n,
+        });
+        all_src.push(src_ids);
+        all_dst.push(dst_ids);
+        src_hosts.push(host);
+        srcs.push(src);
+        dsts.push(dst);
+    }
+    let flat = |v: &Vec<Vec<u32>>| v.iter().flatten().copied().collect::<Vec<u32>>();
+    let (dsi, ddi) = (g.upload(&flat(&all_src)).unwrap(), g.upload(&flat(&all_dst)).unwrap());
+    let run = |dst_ids: Option<&CudaSlice<u32>>, src_ids: &CudaSlice<u32>, segs: &[cuda::KvSegment]| -> Vec<u64> {
+        let mut sums = g.upload(&vec![0u64; segs.len()]).unwrap();
+        let tbl = g.upload(&cuda::kv_segment_table(segs)).unwrap();
+        g.synchronize().unwrap();
+        let op = cuda::KvSegments {
+            segments: segs,
+            table: tbl.as_view(),
+            src_ids: src_ids.as_view(),
+            src_num_blocks: src_blocks as u32,
+            dst_ids: dst_ids.map(|d| d.as_view()),
+            dst_num_blocks: dst_blocks as u32,
+            block_bytes: bb,
+            checksums: Some(sums.as_view_mut()),
+        };
+        // SAFETY: every segment's arrays are live device buffers of this Gpu of exactly
+        // src_blocks / dst_blocks blocks, sources and destinations are distinct buffers, the table
+        // is kv_segment_table(segs), and the stream is synchronised before anything is dropped.
+        unsafe { cuda::kv_copy_segments(g, stream, op) }.unwrap();
+        stream.synchronize().unwrap();
+        down(g, &sums).iter().zip(segs).map(|(&s, seg)| cuda::kv_checksum_finish(s, seg.blocks as usize, bb)).collect()
+    };
+    let copied = run(Some(&ddi), &dsi, &segments);
+    let poison = poisoned_blocks(1, block_bytes);
+    for (k, &n) in sizes.iter().enumerate() {
+        let got = down(g, &dsts[k]);
+        let is_bad = |i: usize| bad == Some((k, i));
+        for d in 0..dst_blocks as u32 {
+            let want = match all_dst[k].iter().position(|&x| x == d) {
+                Some(i) if !is_bad(i) => block(&src_hosts[k], all_src[k][i], block_bytes),
+                _ => &poison[..],
+            };
+            assert!(block(&got, d, block_bytes) == want, "{what}: segment {k} destination block {d}");
+        }
+        let parts: Vec<Option<&[u8]>> =
+            (0..n as usize).map(|i| (!is_bad(i)).then(|| block(&src_hosts[k], all_src[k][i], block_bytes))).collect();
+        let want = kv_sum_ref(&parts, block_bytes) ^ (n as u64 * bb);
+        assert_eq!(copied[k], want, "{what}: segment {k} copy checksum");
+        if bad.is_none() {
+            let cpu_sum = cpu::kv_checksum(all_src[k].iter().map(|&s| block(&src_hosts[k], s, block_bytes)));
+            assert_eq!(copied[k], cpu_sum, "{what}: segment {k} against the CPU checksum");
+        }
+    }
+    // The receiver's pass: read-only over the destinations, segment by segment.
+    let dst_as_src: Vec<cuda::KvSegment> = segments.iter().map(|s| cuda::KvSegment { src: s.dst, dst: 0, blocks: s.blocks }).collect();
+    let mut dst_ids_checked = all_dst.clone();
+    if let Some((k, i)) = bad {
+        dst_ids_checked[k][i] = 0; // a poisoned block: its sum differs, as it must
+    }
+    let verify_ids = g.upload(&flat(&dst_ids_checked)).unwrap();
+    let verified = {
+        let mut sums = g.upload(&vec![0u64; sizes.len()]).unwrap();
+        let tbl = g.upload(&cuda::kv_segment_table(&dst_as_src)).unwrap();
+        g.synchronize().unwrap();
+        let op = cuda::KvSegments {
+            segments: &dst_as_src,
+            table: tbl.as_view(),
+            src_ids: verify_ids.as_view(),
+            src_num_blocks: dst_blocks as u32,
+            dst_ids: None,
+            dst_num_blocks: 0,
+            block_bytes: bb,
+            checksums: Some(sums.as_view_mut()),
+        };
+        // SAFETY: as above; the pass only reads the destination buffers.
+        unsafe { cuda::kv_copy_segments(g, stream, op) }.unwrap();
+        stream.synchronize().unwrap();
+        down(g, &sums).iter().zip(sizes).map(|(&s, &n)| cuda::kv_checksum_finish(s, n as usize, bb)).collect::<Vec<u64>>()
+    };
+    for k in 0..sizes.len() {
+        if bad.is_some_and(|(b, _)| b == k) {
+            assert_ne!(verified[k], copied[k], "{what}: the bad segment {k} must fail verification");
+        } else {
+            assert_eq!(verified[k], copied[k], "{what}: segment {k} verification");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/device-check.sh runs it)"]
+fn kv_copy_segments_match_per_chunk_checksums() {
+    let g = gpu();
+    let s = g.stream().context().new_stream().unwrap();
+    let mut seed = 500;
+    for sizes in [&[1u32][..], &[7, 7, 7], &[256, 3, 100, 1, 256], &[5; 40]] {
+        for block_bytes in [16, 2064, 32768] {
+            seed += 1;
+            check_kv_segments(&g, &s, sizes, block_bytes, None, seed);
+        }
+    }
+    check_kv_segments(&g, &s, &[9, 9, 9, 9], 6144, Some((2, 4)), 600);
+    check_kv_segments(&g, &s, &[1, 300], 48, Some((1, 0)), 601);
+}
+
 /// Packing blocks into a contiguous staging buffer (destination ids 0..n) and unpacking them into
 /// another layer (source ids 0..n) round trips, with the same checksum on both passes.
 #[test]

@@ -27,10 +27,17 @@ use crate::error::{Error, Result};
 use crate::frame::{self, AbortCode, ChunkHeader, Frame, PROTOCOL_VERSION};
 use crate::handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};
 use crate::memory::{Claim, Iov, KvMemory, MemoryKind};
-use crate::transport::{Delivery, Inbox, Link, Payload, Transport};
+use crate::transport::{Delivery, Inbox, Landed, Link, Payload, Transport};
 
 /// Most blocks one chunk covers (so a chunk never needs more than `TANDEM_KV_MAX_IOVS` iovecs).
 pub const MAX_CHUNK_BLOCKS: u32 = 256;
+
+/// The most layers a sender checksums in one call before sending their chunks.
+const MAX_GROUP_LAYERS: u32 = 16;
+
+/// Chunks of one transfer a receiver lets land at once (a transport that pipelines, like cuda-ipc,
+/// has several in flight; a sender that announces more is refused).
+const MAX_CHUNKS_IN_FLIGHT: usize = 128;
 
 /// Locks a mutex of this crate. A panic while holding one is a bug; the state stays consistent enough to
 /// fail transfers and shut down, so a poisoned lock is taken anyway.
@@ -73,11 +80,14 @@ struct RxTransfer {
     claim: Option<Claim>,
     /// Link that sent `Start`.
     link: Option<u64>,
+    /// Where the next announced chunk must start (chunks come in order).
     next_layer: u32,
     next_block: u32,
-    /// A chunk whose payload the transport is writing now.
-    pending: Option<ChunkHeader>,
-    /// Failed while a payload was pending: finish when it is.
+    /// Chunks whose payloads the transport is landing now, oldest first (it reports them in order).
+    pending: VecDeque<ChunkHeader>,
+    /// Blocks (over all layers) whose chunks landed and passed verification.
+    landed_blocks: u64,
+    /// Failed while payloads were pending: finish when the last of them is reported.
     doomed: Option<Error>,
     progress: watch::Sender<Progress>,
     created: Instant,
@@ -190,6 +200,26 @@ impl Core {
         self.device.as_ref()
     }
 
+    /// The checksums of chunks `(layer, first, count)` of `blocks` (a sender's claim): on the host,
+    /// or on the device for device memory (one call for all of them).
+    fn chunk_checksums(&self, chunks: &[(u32, usize, usize)], blocks: &[u32]) -> Result<Vec<u64>> {
+        let m = &self.memory;
+        match &self.device {
+            None => Ok(chunks.iter().map(|&(l, first, count)| checksum_iovs(&m.iovs(l, &blocks[first..first + count]))).collect()),
+            Some(device) => {
+                let at: Vec<Blocks<'_>> = chunks
+                    .iter()
+                    .map(|&(l, first, count)| Blocks {
+                        base: m.layer_base(l) as u64,
+                        num_blocks: m.num_blocks(),
+                        ids: &blocks[first..first + count],
+                    })
+                    .collect();
+                device.checksums(&at, m.geometry().block_bytes())
+            }
+        }
+    }
+
     /// The checksum of `blocks` of `layer` (whose iovecs are `iovs`): on the host, or on the device
     /// for device memory.
     fn chunk_checksum(&self, layer: u32, blocks: &[u32], iovs: &[Iov]) -> Result<u64> {
@@ -267,7 +297,8 @@ impl Core {
             link: None,
             next_layer: 0,
             next_block: 0,
-            pending: None,
+            pending: VecDeque::new(),
+            landed_blocks: 0,
             doomed: None,
             progress,
             created: Instant::now(),
@@ -300,7 +331,7 @@ impl Core {
         {
             replies.push((Arc::clone(&link.link), Frame::Abort { id, code, reason: e.to_string() }, false));
         }
-        if t.pending.is_some() {
+        if !t.pending.is_empty() {
             if let Err(e) = outcome {
                 t.doomed.get_or_insert(e);
             }
@@ -330,7 +361,11 @@ impl Core {
                 TransferState::Failed(e)
             }
         };
-        let layers = if matches!(state, TransferState::Complete(_)) { self.memory.geometry().num_layers() } else { t.next_layer };
+        let layers = if matches!(state, TransferState::Complete(_)) {
+            self.memory.geometry().num_layers()
+        } else {
+            t.landed_blocks.checked_div(t.blocks.len() as u64).unwrap_or(0) as u32
+        };
         t.progress.send_modify(|p| {
             p.layers = layers;
             p.bytes = t.bytes;
@@ -354,7 +389,7 @@ impl Core {
             let mut rx = lock(&self.rx);
             let err = Error::Timeout { id, after_ms: after.as_millis() as u64 };
             if let Some(t) = rx.transfers.get(&id)
-                && t.pending.is_some()
+                && !t.pending.is_empty()
             {
                 // The transport is stuck writing a payload: closing the link makes it give up (and call
                 // on_payload), which finishes the transfer.
@@ -485,8 +520,10 @@ impl Core {
         let n = t.blocks.len() as u64;
         let problem = if t.link != Some(link.id()) {
             Some("chunk before its start frame, or from another link".to_string())
-        } else if t.doomed.is_some() || t.pending.is_some() {
-            Some("chunk while the previous one is still landing".to_string())
+        } else if t.doomed.is_some() {
+            Some("chunk after the transfer failed".to_string())
+        } else if t.pending.len() >= MAX_CHUNKS_IN_FLIGHT {
+            Some(format!("more than {MAX_CHUNKS_IN_FLIGHT} chunks landing at once"))
         } else if h.layer != t.next_layer || h.block_start != t.next_block {
             Some(format!(
                 "expected layer {} block {}, got layer {} block {} (reordered or duplicated chunk)",
@@ -510,15 +547,20 @@ impl Core {
         }
         let start = h.block_start as usize;
         let iovs = self.memory.iovs(h.layer, &t.blocks[start..start + h.block_count as usize]);
-        t.pending = Some(h);
+        t.next_block += h.block_count;
+        if t.next_block as usize == t.blocks.len() {
+            t.next_block = 0;
+            t.next_layer += 1;
+        }
+        t.pending.push_back(h);
         Delivery::Into { iovs, token: id }
     }
 
-    fn rx_payload(&self, token: u64, result: std::result::Result<(), String>) {
+    fn rx_payload(&self, token: u64, result: std::result::Result<Landed, String>) {
         let id = token;
         let header = {
             let rx = lock(&self.rx);
-            match rx.transfers.get(&id).and_then(|t| t.pending.map(|h| (h, t.doomed.is_some(), t.blocks.clone()))) {
+            match rx.transfers.get(&id).and_then(|t| t.pending.front().map(|&h| (h, t.doomed.is_some(), t.blocks.clone()))) {
                 Some(v) => v,
                 None => return,
             }
@@ -527,12 +569,15 @@ impl Core {
         // Verify outside the lock: the claim is still ours and the payload is complete.
         let verdict = match result {
             Err(e) => Err(Error::LinkFailed { peer: "sender".into(), reason: format!("payload not delivered: {e}") }),
-            Ok(()) if doomed => Ok(()),
-            Ok(()) => {
+            Ok(_) if doomed => Ok(()),
+            Ok(landed) => {
                 let start = h.block_start as usize;
                 let chunk = &blocks[start..start + h.block_count as usize];
-                let iovs = self.memory.iovs(h.layer, chunk);
-                match self.chunk_checksum(h.layer, chunk, &iovs) {
+                let sum = match landed.checksum {
+                    Some(sum) => Ok(sum),
+                    None => self.chunk_checksum(h.layer, chunk, &self.memory.iovs(h.layer, chunk)),
+                };
+                match sum {
                     Err(e) => Err(e),
                     Ok(sum) if sum == h.checksum => Ok(()),
                     Ok(_) => Err(Error::Integrity {
@@ -552,29 +597,31 @@ impl Core {
             let mut rx = lock(&self.rx);
             let num_layers = self.memory.geometry().num_layers();
             let Some(t) = rx.transfers.get_mut(&id) else { return };
-            t.pending = None;
-            if let Some(e) = t.doomed.take() {
-                self.rx_end(&mut rx, id, Err(e), None, &mut replies);
+            t.pending.pop_front();
+            if t.doomed.is_some() {
+                if t.pending.is_empty() {
+                    let e = t.doomed.take().expect("checked");
+                    self.rx_end(&mut rx, id, Err(e), None, &mut replies);
+                }
             } else if let Err(e) = verdict {
                 self.rx_end(&mut rx, id, Err(e), Some(AbortCode::Integrity), &mut replies);
             } else {
+                let n = t.blocks.len() as u64;
+                let before = t.landed_blocks / n;
                 t.bytes += h.byte_len;
-                t.next_block += h.block_count;
-                if t.next_block as usize == t.blocks.len() {
-                    t.next_block = 0;
-                    t.next_layer += 1;
-                    let (layers, bytes) = (t.next_layer, t.bytes);
-                    if layers < num_layers {
-                        t.progress.send_modify(|p| {
-                            p.layers = layers;
-                            p.bytes = bytes;
-                        });
-                    } else {
-                        if let Some(link) = t.link.and_then(|l| rx.links.get(&l)) {
-                            replies.push((Arc::clone(&link.link), Frame::Done { id }, false));
-                        }
-                        self.rx_end(&mut rx, id, Ok(()), None, &mut replies);
+                t.landed_blocks += u64::from(h.block_count);
+                let layers = (t.landed_blocks / n) as u32;
+                if u64::from(layers) > before && layers < num_layers {
+                    let bytes = t.bytes;
+                    t.progress.send_modify(|p| {
+                        p.layers = layers;
+                        p.bytes = bytes;
+                    });
+                } else if layers == num_layers {
+                    if let Some(link) = t.link.and_then(|l| rx.links.get(&l)) {
+                        replies.push((Arc::clone(&link.link), Frame::Done { id }, false));
                     }
+                    self.rx_end(&mut rx, id, Ok(()), None, &mut replies);
                 }
             }
         }
@@ -745,7 +792,7 @@ impl Core {
             let ids: Vec<u64> = rx.transfers.keys().copied().collect();
             for id in ids {
                 if let Some(t) = rx.transfers.get_mut(&id) {
-                    t.pending = None; // the transport has stopped: nothing writes any more
+                    t.pending.clear(); // the transport has stopped: nothing writes any more
                     t.doomed = None;
                 }
                 self.rx_end(&mut rx, id, Err(Error::Shutdown), None, &mut replies);
@@ -777,7 +824,7 @@ impl Inbox for Core {
         }
     }
 
-    fn on_payload(&self, _link: &Arc<dyn Link>, token: u64, result: std::result::Result<(), String>) {
+    fn on_payload(&self, _link: &Arc<dyn Link>, token: u64, result: std::result::Result<Landed, String>) {
         self.rx_payload(token, result);
     }
 
@@ -809,7 +856,7 @@ impl Inbox for Core {
             for id in ids {
                 if let Some(t) = rx.transfers.get_mut(&id) {
                     // The transport called on_payload for anything pending before closing the link.
-                    t.pending = None;
+                    t.pending.clear();
                     let e = t.doomed.take().unwrap_or_else(|| err.clone());
                     self.rx_end(&mut rx, id, Err(e), None, &mut replies);
                 }
@@ -916,7 +963,12 @@ impl SendJob {
         let per_chunk = core.blocks_per_chunk();
         let num_layers = memory.geometry().num_layers();
         if n > 0 {
-            for layer in 0..num_layers {
+            // Layers go in groups: the checksums of a group's chunks are one device call (or host
+            // loop), then its chunks are sent. Groups start at one layer (the first chunk leaves at
+            // once) and double while layers are ready, up to MAX_GROUP_LAYERS.
+            let mut layer = 0;
+            let mut group = 1;
+            while layer < num_layers {
                 // Wait until the owner pushed this layer, unless the receiver already gave up.
                 tokio::select! {
                     r = self.pushed.wait_for(|p| *p > layer) => {
@@ -927,17 +979,22 @@ impl SendJob {
                     verdict = &mut done_rx => return Err(early(desc.id, verdict)),
                     _ = cancel.wait_for(|c| *c) => return Err(cancelled),
                 }
-                for first in (0..n).step_by(per_chunk) {
-                    let count = per_chunk.min(n - first);
+                let ready = (*self.pushed.borrow()).min(num_layers);
+                let end = ready.min(layer + group);
+                let chunks: Vec<(u32, usize, usize)> = (layer..end)
+                    .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
+                    .collect();
+                let sums = core.chunk_checksums(&chunks, self.claim.blocks())?;
+                for (&(l, first, count), checksum) in chunks.iter().zip(sums) {
                     let blocks = &self.claim.blocks()[first..first + count];
-                    let iovs = memory.iovs(layer, blocks);
+                    let iovs = memory.iovs(l, blocks);
                     let header = ChunkHeader {
                         id: desc.id,
-                        layer,
+                        layer: l,
                         block_start: first as u32,
                         block_count: count as u32,
                         byte_len: (count * bb) as u64,
-                        checksum: core.chunk_checksum(layer, blocks, &iovs)?,
+                        checksum,
                     };
                     if *cancel.borrow() {
                         return Err(cancelled);
@@ -955,12 +1012,16 @@ impl SendJob {
                     }
                     let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
                     link.send(Frame::Chunk(header).encode(), Payload::new(iovs, hold)).await?;
-                    if layer == 0 && first == 0 {
+                    if l == 0 && first == 0 {
                         tracing::debug!(id = desc.id, peer = link.peer(), "KV transfer: first chunk sent");
                     }
                     self.progress.send_modify(|p| p.bytes += header.byte_len);
+                    if first + count == n {
+                        self.progress.send_modify(|p| p.layers = l + 1);
+                    }
                 }
-                self.progress.send_modify(|p| p.layers = layer + 1);
+                layer = end;
+                group = (group * 2).min(MAX_GROUP_LAYERS);
             }
         }
         tokio::select! {
@@ -985,5 +1046,136 @@ fn early(id: u64, verdict: std::result::Result<Result<()>, oneshot::error::RecvE
 impl Drop for Core {
     fn drop(&mut self) {
         self.closed.store(true, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The receiver with several chunks of one transfer landing at once (what a pipelining transport
+    //! such as cuda-ipc does), driven frame by frame through the inbox.
+
+    use super::*;
+    use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
+    use crate::transport::BoxFuture;
+
+    /// A link that records the frames the receiver sends back.
+    struct Recorder {
+        frames: Mutex<Vec<Frame>>,
+    }
+
+    impl Link for Recorder {
+        fn id(&self) -> u64 {
+            7
+        }
+        fn peer(&self) -> &str {
+            "recorder"
+        }
+        fn send(&self, header: Vec<u8>, _payload: Payload) -> BoxFuture<'_, Result<()>> {
+            lock(&self.frames).push(Frame::decode(&header).expect("the receiver sends valid frames"));
+            Box::pin(async { Ok(()) })
+        }
+        fn close(&self) {}
+    }
+
+    const LAYERS: u32 = 3;
+
+    fn geometry() -> Geometry {
+        Geometry::new(GeometrySpec {
+            model_id: "pipelined".into(),
+            dtype: DType::BF16,
+            block_size: 4,
+            num_layers: LAYERS,
+            num_kv_heads: 1,
+            head_dim: 8,
+            layout: Layout::KvHeadTokenDim,
+        })
+        .expect("valid geometry")
+    }
+
+    /// A receiver core with one linked, started transfer of `blocks` (one chunk per layer).
+    async fn started(blocks: Vec<u32>) -> (Arc<Core>, Arc<dyn Link>, Arc<Recorder>, RecvHandle) {
+        let memory = KvMemory::host(geometry(), 16).expect("pool");
+        let core = Core::new(memory, ConnectorConfig::default(), Handle::current()).expect("core");
+        let recorder = Arc::new(Recorder { frames: Mutex::new(Vec::new()) });
+        let link: Arc<dyn Link> = Arc::clone(&recorder) as Arc<dyn Link>;
+        let hello = Frame::Hello { version: PROTOCOL_VERSION, geometry: geometry() };
+        assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
+        let recv = core.expect(blocks.clone(), 5, Duration::from_secs(30)).expect("expect");
+        let id = recv.descriptor().id;
+        let start = Frame::Start { id, num_blocks: blocks.len() as u32, blocks_hash: frame::blocks_hash(&blocks), binding: 5 };
+        assert!(matches!(core.on_message(&link, &start.encode(), 0), Delivery::Discard));
+        (core, link, recorder, recv)
+    }
+
+    fn chunk(core: &Core, link: &Arc<dyn Link>, id: u64, layer: u32, n: u32, checksum: u64) -> u64 {
+        let bb = geometry().block_bytes() as u64;
+        let h = ChunkHeader { id, layer, block_start: 0, block_count: n, byte_len: u64::from(n) * bb, checksum };
+        match core.on_message(link, &Frame::Chunk(h).encode(), h.byte_len) {
+            Delivery::Into { iovs, token } => {
+                assert_eq!(iovs.iter().map(|i| i.len as u64).sum::<u64>(), h.byte_len);
+                token
+            }
+            other => panic!("chunk of layer {layer} not taken: {other:?}"),
+        }
+    }
+
+    fn landed(sum: u64) -> std::result::Result<Landed, String> {
+        Ok(Landed { checksum: Some(sum) })
+    }
+
+    #[tokio::test]
+    async fn chunks_of_every_layer_land_at_once_and_complete_in_order() {
+        let (core, link, recorder, recv) = started(vec![3, 1, 4]).await;
+        let id = recv.descriptor().id;
+        let tokens: Vec<u64> = (0..LAYERS).map(|l| chunk(&core, &link, id, l, 3, 100 + u64::from(l))).collect();
+        assert_eq!(recv.progress().layers, 0, "nothing landed before any payload was reported");
+        core.on_payload(&link, tokens[0], landed(100));
+        assert_eq!(recv.progress().layers, 1);
+        assert_eq!(core.memory().claimed_blocks(), 3, "the claim stays while payloads land");
+        core.on_payload(&link, tokens[1], landed(101));
+        core.on_payload(&link, tokens[2], landed(102));
+        assert!(matches!(recv.progress().state, TransferState::Complete(_)));
+        assert_eq!(recv.progress().layers, LAYERS);
+        assert_eq!(core.memory().claimed_blocks(), 0);
+        tokio::task::yield_now().await;
+        assert!(lock(&recorder.frames).contains(&Frame::Done { id }));
+    }
+
+    #[tokio::test]
+    async fn a_bad_chunk_fails_the_transfer_only_after_every_chunk_in_flight_reported() {
+        let (core, link, recorder, recv) = started(vec![0, 2]).await;
+        let id = recv.descriptor().id;
+        let tokens: Vec<u64> = (0..LAYERS).map(|l| chunk(&core, &link, id, l, 2, 7)).collect();
+        core.on_payload(&link, tokens[0], landed(8)); // wrong checksum
+        // Two payloads are still being written into the blocks: they stay claimed, the verdict waits.
+        assert_eq!(core.memory().claimed_blocks(), 2);
+        assert!(matches!(recv.progress().state, TransferState::Pending));
+        core.on_payload(&link, tokens[1], landed(7));
+        assert_eq!(core.memory().claimed_blocks(), 2);
+        core.on_payload(&link, tokens[2], Err("copy failed".into()));
+        match recv.progress().state {
+            TransferState::Failed(Error::Integrity { reason, .. }) => assert!(reason.contains("checksum mismatch in layer 0"), "{reason}"),
+            other => panic!("expected an integrity failure, got {other:?}"),
+        }
+        assert_eq!(recv.progress().layers, 0, "no layer after the bad one counts as landed");
+        assert_eq!(core.memory().claimed_blocks(), 0);
+        tokio::task::yield_now().await;
+        assert!(lock(&recorder.frames).iter().any(|f| matches!(f, Frame::Abort { id: i, code: AbortCode::Integrity, .. } if *i == id)));
+    }
+
+    #[tokio::test]
+    async fn out_of_order_announcements_are_refused_while_chunks_land() {
+        let (core, link, _recorder, recv) = started(vec![5]).await;
+        let id = recv.descriptor().id;
+        let first = chunk(&core, &link, id, 0, 1, 1);
+        // Layer 2 before layer 1: refused although layer 0 is still landing; the transfer fails when
+        // layer 0's payload is reported.
+        let bb = geometry().block_bytes() as u64;
+        let h = ChunkHeader { id, layer: 2, block_start: 0, block_count: 1, byte_len: bb, checksum: 1 };
+        assert!(matches!(core.on_message(&link, &Frame::Chunk(h).encode(), bb), Delivery::Discard));
+        assert_eq!(core.memory().claimed_blocks(), 1);
+        core.on_payload(&link, first, landed(1));
+        assert!(matches!(recv.progress().state, TransferState::Failed(Error::Integrity { .. })));
+        assert_eq!(core.memory().claimed_blocks(), 0);
     }
 }

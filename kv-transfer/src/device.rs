@@ -1,21 +1,29 @@
 //! Device memory for transfers: the KV pools of CUDA engines registered as they are, so blocks move
 //! device to device with no trip through host memory. [`DeviceKv`] is a connector's device side: the
-//! GPU's kernel table and one stream of its own on which every transfer kernel runs (the block copy
-//! with its checksum, the receiver's verification pass), each call synchronised before it returns.
+//! GPU's kernel table, one stream on which the synchronous calls run (checksums of chunks, block
+//! copies for NCCL staging), each synchronised before it returns, and a second stream for the
+//! receiver's pipelined pulls (cuda-ipc), which return an event instead of waiting.
 //!
 //! Invariants:
 //! - The checksum of a chunk is the one `tandem_kernels::cpu::kv_checksum` defines, computed on the
 //!   device over the blocks in payload order; the receiver computes it over the destination blocks
-//!   after the payload landed and before anything is reported, exactly as on the host path.
-//! - Every call waits for its kernels before returning, so the id and sum buffers it uploads never
-//!   outlive their use, and a block reported written or verified is complete in device memory.
-//! - One call at a time per connector (a mutex): the stream's work is never interleaved.
+//!   after the payload landed and before anything is reported, exactly as on the host path (a pull
+//!   runs its verification pass behind its copy on the same stream).
+//! - Every synchronous call waits for its kernels before returning, so the id and sum buffers it
+//!   uploads never outlive their use, and a block reported written or verified is complete in
+//!   device memory. A pull's slot (staged ids, counter, event) is its caller's until the pull's
+//!   event completed and its sum was read.
+//! - One synchronous call at a time per connector, one pull enqueued at a time (two mutexes): a
+//!   stream's work is never interleaved.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use tandem_kernels::cuda::{BlockArray, BlockList, Gpu, IpcAlloc, KvCopy, kv_checksum_finish, kv_copy_blocks};
+use tandem_kernels::cuda::{
+    BlockArray, BlockList, Gpu, IpcAlloc, KvCopy, KvSegment, KvSegments, kv_checksum_finish, kv_copy_blocks, kv_copy_segments,
+    kv_segment_table,
+};
 
 use crate::core::lock;
 use crate::error::{Error, Result};
@@ -83,16 +91,21 @@ impl KvMemory {
 
 /// A connector's device side: kernels and a transfer stream on the pool's GPU.
 pub(crate) struct DeviceKv {
+    /// The kernel table (shared by both streams' launches; launching needs no exclusive access).
+    gpu: Gpu,
     inner: Mutex<Inner>,
+    /// The receiver's pipelined pulls (made on first use; only receivers of cuda-ipc pull).
+    pull: Mutex<Option<Pull>>,
 }
 
 struct Inner {
-    gpu: Gpu,
     stream: Arc<CudaStream>,
-    /// Block ids of one call: the source list at 0, the destination list at `ids.len() / 2`
+    /// Block ids of one call: every chunk's source list, then (for a copy) the destination list
     /// (grown on demand, reused: a call allocates nothing in the common case).
     ids: CudaSlice<u32>,
-    /// The checksum counter.
+    /// The segment table of a checksum call (grown on demand).
+    table: CudaSlice<u64>,
+    /// One checksum counter per chunk of the call.
     sum: CudaSlice<u64>,
 }
 
@@ -110,6 +123,10 @@ pub(crate) struct Blocks<'a> {
     pub(crate) ids: &'a [u32],
 }
 
+fn err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| gpu_err(what, e)
+}
+
 impl DeviceKv {
     /// Opens GPU `device` (the kernels come from the on-disk cache the engine filled) and a stream.
     pub(crate) fn new(device: i32) -> Result<DeviceKv> {
@@ -118,7 +135,8 @@ impl DeviceKv {
         let stream = gpu.stream().context().new_stream().map_err(|e| gpu_err("creating the transfer stream", e))?;
         let ids = stream.alloc_zeros::<u32>(2 * crate::MAX_CHUNK_BLOCKS as usize).map_err(|e| gpu_err("allocating block ids", e))?;
         let sum = stream.alloc_zeros::<u64>(1).map_err(|e| gpu_err("allocating the checksum", e))?;
-        Ok(DeviceKv { inner: Mutex::new(Inner { gpu, stream, ids, sum }) })
+        let table = stream.alloc_zeros::<u64>(64).map_err(|e| gpu_err("allocating the segment table", e))?;
+        Ok(DeviceKv { gpu, inner: Mutex::new(Inner { stream, ids, table, sum }), pull: Mutex::new(None) })
     }
 
     /// The CUDA context of the transfer stream.
@@ -128,67 +146,363 @@ impl DeviceKv {
 
     /// The checksum of `blocks` in order (device memory of this GPU), computed on the device.
     pub(crate) fn checksum(&self, blocks: Blocks<'_>, block_bytes: usize) -> Result<u64> {
-        self.run(blocks, None, block_bytes, false)
+        Ok(self.checksums(&[blocks], block_bytes)?[0])
+    }
+
+    /// The checksums of several chunks (each in order; all of one pool, so of the same number of
+    /// blocks per layer), computed on the device in one call: one upload of the ids and one of the
+    /// segment table, one launch, one download of the sums, one wait.
+    pub(crate) fn checksums(&self, chunks: &[Blocks<'_>], block_bytes: usize) -> Result<Vec<u64>> {
+        let Some(first) = chunks.first() else { return Ok(Vec::new()) };
+        if chunks.iter().any(|c| c.num_blocks != first.num_blocks || c.ids.is_empty()) {
+            return Err(Error::Invalid("chunks of one checksum call must be non-empty and of one pool".into()));
+        }
+        let segments: Vec<KvSegment> = chunks.iter().map(|c| KvSegment { src: c.base, dst: 0, blocks: c.ids.len() as u32 }).collect();
+        let ids: Vec<u32> = chunks.iter().flat_map(|c| c.ids.iter().copied()).collect();
+        let table = kv_segment_table(&segments);
+        let mut guard = lock(&self.inner);
+        let inner = &mut *guard;
+        let s = Arc::clone(&inner.stream);
+        if ids.len() > inner.ids.len() {
+            // Earlier calls finished (each synchronises before returning): the old buffer is free.
+            inner.ids = s.alloc_zeros::<u32>(ids.len().next_power_of_two()).map_err(err("allocating block ids"))?;
+        }
+        if table.len() > inner.table.len() {
+            inner.table = s.alloc_zeros::<u64>(table.len().next_power_of_two()).map_err(err("allocating the segment table"))?;
+        }
+        if chunks.len() > inner.sum.len() {
+            inner.sum = s.alloc_zeros::<u64>(chunks.len().next_power_of_two()).map_err(err("allocating checksums"))?;
+        }
+        s.memcpy_htod(&ids, &mut inner.ids.slice_mut(0..ids.len())).map_err(err("uploading block ids"))?;
+        s.memcpy_htod(&table, &mut inner.table.slice_mut(0..table.len())).map_err(err("uploading the segment table"))?;
+        s.memset_zeros(&mut inner.sum.slice_mut(0..chunks.len())).map_err(err("zeroing the checksums"))?;
+        let op = KvSegments {
+            segments: &segments,
+            table: inner.table.slice(0..table.len()),
+            src_ids: inner.ids.slice(0..ids.len()),
+            src_num_blocks: first.num_blocks,
+            dst_ids: None,
+            dst_num_blocks: 0,
+            block_bytes: block_bytes as u64,
+            checksums: Some(inner.sum.slice_mut(0..chunks.len())),
+        };
+        // SAFETY: every chunk's base is one layer of this connector's registered pool (device memory
+        // of this GPU, `num_blocks` blocks); the transfer holds claims on the blocks read; the table
+        // is `kv_segment_table(segments)`; the buffers belong to `inner`, locked until the stream is
+        // synchronised below.
+        unsafe { kv_copy_segments(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV checksums", e))?;
+        let mut host = vec![0u64; chunks.len()];
+        s.memcpy_dtoh(&inner.sum.slice(0..chunks.len()), &mut host).map_err(err("reading the checksums"))?;
+        s.synchronize().map_err(err("waiting for the KV checksums"))?;
+        Ok(chunks.iter().zip(host).map(|(c, sum)| kv_checksum_finish(sum, c.ids.len(), block_bytes as u64)).collect())
     }
 
     /// Copies `src` blocks to `dst` blocks (pairwise; `dst` may be another process's memory mapped
-    /// through CUDA IPC) and returns the checksum of what was read. `corrupt` flips one byte of the
-    /// last destination block afterwards (the integrity test hook).
+    /// through CUDA IPC, or a staging buffer) and returns the checksum of what was read. `corrupt`
+    /// flips one byte of the last destination block afterwards (the integrity test hook).
     pub(crate) fn copy(&self, src: Blocks<'_>, dst: Blocks<'_>, block_bytes: usize, corrupt: bool) -> Result<u64> {
         if src.ids.len() != dst.ids.len() {
             return Err(Error::Invalid(format!("{} source blocks for {} destination blocks", src.ids.len(), dst.ids.len())));
         }
-        self.run(src, Some(dst), block_bytes, corrupt)
+        Ok(self.run(&[(src, Some(dst))], block_bytes, corrupt)?[0])
     }
 
-    fn run(&self, src: Blocks<'_>, dst: Option<Blocks<'_>>, block_bytes: usize, corrupt: bool) -> Result<u64> {
+    fn run(&self, chunks: &[(Blocks<'_>, Option<Blocks<'_>>)], block_bytes: usize, corrupt: bool) -> Result<Vec<u64>> {
         let mut guard = lock(&self.inner);
         let inner = &mut *guard;
         let s = Arc::clone(&inner.stream);
-        let n = src.ids.len();
-        fn err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-            move |e| gpu_err(what, e)
-        }
-        if 2 * n > inner.ids.len() {
-            // Earlier calls finished (each synchronises before returning): the old buffer is free.
-            inner.ids = s.alloc_zeros::<u32>(2 * n).map_err(err("allocating block ids"))?;
-        }
-        let half = inner.ids.len() / 2;
-        s.memcpy_htod(src.ids, &mut inner.ids.slice_mut(0..n)).map_err(err("uploading block ids"))?;
-        if let Some(d) = &dst {
-            s.memcpy_htod(d.ids, &mut inner.ids.slice_mut(half..half + n)).map_err(err("uploading block ids"))?;
-        }
-        s.memset_zeros(&mut inner.sum).map_err(err("zeroing the checksum"))?;
-        let op = KvCopy {
-            src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: inner.ids.slice(0..n) },
-            dst: dst.as_ref().map(|d| BlockList {
-                array: BlockArray { base: d.base, num_blocks: d.num_blocks },
-                ids: inner.ids.slice(half..half + n),
-            }),
-            block_bytes: block_bytes as u64,
-            checksum: Some(inner.sum.as_view_mut()),
-        };
-        // SAFETY: `src` is registered device memory of this GPU (or, for `dst`, a live IPC mapping of a
-        // peer's pool) of `num_blocks` blocks each; the transfer holds claims on the blocks read and
-        // written, so no one else touches them; source and destination are different pools; the id
-        // and sum buffers belong to `inner`, locked until the stream is synchronised below.
-        unsafe { kv_copy_blocks(&inner.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
-        if corrupt && let (Some(d), Some(&last)) = (&dst, dst.as_ref().and_then(|d| d.ids.last())) {
-            s.synchronize().map_err(err("waiting for the KV copy"))?;
-            let at = d.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2;
-            let mut byte = [0u8; 1];
-            // SAFETY: `at` lies inside the last destination block (in range: the kernel checked it
-            // against `num_blocks` and the caller sized the array); synchronous one-byte copies.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_sync(&mut byte, at).map_err(err("corrupting (test hook)"))?;
-                byte[0] ^= 0x10;
-                cudarc::driver::result::memcpy_htod_sync(at, &byte).map_err(err("corrupting (test hook)"))?;
+        // Every chunk's source ids, then its destination ids, in one host array and one upload.
+        let mut host_ids: Vec<u32> = Vec::new();
+        let mut at = Vec::with_capacity(chunks.len());
+        for (src, dst) in chunks {
+            let from = host_ids.len();
+            host_ids.extend_from_slice(src.ids);
+            if let Some(d) = dst {
+                host_ids.extend_from_slice(d.ids);
             }
+            at.push(from);
         }
-        let mut host = [0u64; 1];
-        s.memcpy_dtoh(&inner.sum, &mut host).map_err(err("reading the checksum"))?;
+        if host_ids.len() > inner.ids.len() {
+            // Earlier calls finished (each synchronises before returning): the old buffer is free.
+            inner.ids = s.alloc_zeros::<u32>(host_ids.len().next_power_of_two()).map_err(err("allocating block ids"))?;
+        }
+        if chunks.len() > inner.sum.len() {
+            inner.sum = s.alloc_zeros::<u64>(chunks.len().next_power_of_two()).map_err(err("allocating checksums"))?;
+        }
+        if !host_ids.is_empty() {
+            s.memcpy_htod(&host_ids, &mut inner.ids.slice_mut(0..host_ids.len())).map_err(err("uploading block ids"))?;
+        }
+        s.memset_zeros(&mut inner.sum.slice_mut(0..chunks.len())).map_err(err("zeroing the checksums"))?;
+        for (i, ((src, dst), &from)) in chunks.iter().zip(&at).enumerate() {
+            let n = src.ids.len();
+            let op = KvCopy {
+                src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: inner.ids.slice(from..from + n) },
+                dst: dst.as_ref().map(|d| BlockList {
+                    array: BlockArray { base: d.base, num_blocks: d.num_blocks },
+                    ids: inner.ids.slice(from + n..from + 2 * n),
+                }),
+                block_bytes: block_bytes as u64,
+                checksum: Some(inner.sum.slice_mut(i..i + 1)),
+            };
+            // SAFETY: `src` is registered device memory of this GPU (or, for `dst`, a live IPC mapping
+            // of a peer's pool) of `num_blocks` blocks each; the transfer holds claims on the blocks
+            // read and written, so no one else touches them; source and destination are different
+            // pools; the id and sum buffers belong to `inner`, locked until the stream is
+            // synchronised below.
+            unsafe { kv_copy_blocks(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
+        }
+        if corrupt && let Some((_, Some(d))) = chunks.last() && let Some(&last) = d.ids.last() {
+            s.synchronize().map_err(err("waiting for the KV copy"))?;
+            flip_byte(d.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
+        }
+        let mut host = vec![0u64; chunks.len()];
+        s.memcpy_dtoh(&inner.sum.slice(0..chunks.len()), &mut host).map_err(err("reading the checksums"))?;
         s.synchronize().map_err(err("waiting for the KV copy"))?;
-        Ok(kv_checksum_finish(host[0], n, block_bytes as u64))
+        Ok(chunks.iter().zip(host).map(|((src, _), sum)| kv_checksum_finish(sum, src.ids.len(), block_bytes as u64)).collect())
+    }
+
+    /// Enqueues a receiver's pull of a batch of chunks into pull slot `slot` and returns without
+    /// waiting: for each chunk, `src` blocks (a sender's pool, mapped) are copied into `dst` blocks
+    /// (this connector's own), all in one launch; behind it one verification pass sums each
+    /// chunk's destination blocks as they now are; the sums reach host memory when the slot's
+    /// event completes ([`PullEvent::wait`]). `corrupt` names a chunk whose last destination block
+    /// gets one byte flipped between the two launches (the integrity test hook; it waits for the
+    /// copy). A slot is the caller's until its `PullEvent` was waited for.
+    pub(crate) fn pull(&self, slot: usize, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize, corrupt: Option<usize>) -> Result<PullEvent> {
+        let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
+        let bad = chunks.is_empty()
+            || chunks.len() > PULL_BATCH
+            || slot >= PULL_SLOTS
+            || chunks.iter().any(|(s, d)| {
+                s.ids.is_empty() || s.ids.len() != d.ids.len() || s.num_blocks != chunks[0].0.num_blocks || d.num_blocks != chunks[0].1.num_blocks
+            })
+            || total > PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
+        if bad {
+            return Err(Error::Invalid(format!("a pull of {} chunks ({total} blocks) into slot {slot}", chunks.len())));
+        }
+        let mut guard = lock(&self.pull);
+        if guard.is_none() {
+            *guard = Some(Pull::new(&self.context())?);
+        }
+        let p = guard.as_mut().expect("made above");
+        let s = Arc::clone(&p.stream);
+        let segments: Vec<KvSegment> = chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
+        let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
+        let ids_stride = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
+        let table_stride = 2 * (3 * PULL_BATCH + 1);
+        // SAFETY: slot `slot` is the caller's (see the doc): no copy from this slot's staging is in
+        // flight (the previous user's event completed), and the regions lie inside the pinned
+        // buffer (`PULL_SLOTS` slots of `ids_stride` ids, `table_stride` table words and
+        // `PULL_BATCH` sums).
+        let (staged_ids, staged_table) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(p.host.ids().add(slot * ids_stride), 2 * total),
+                std::slice::from_raw_parts_mut(p.host.table().add(slot * table_stride), table_stride),
+            )
+        };
+        let mut at = 0;
+        for (src, _) in chunks {
+            staged_ids[at..at + src.ids.len()].copy_from_slice(src.ids);
+            at += src.ids.len();
+        }
+        for (_, dst) in chunks {
+            staged_ids[at..at + dst.ids.len()].copy_from_slice(dst.ids);
+            at += dst.ids.len();
+        }
+        let (copy_table, verify_table) = (kv_segment_table(&segments), kv_segment_table(&verify));
+        let tl = copy_table.len();
+        staged_table[..tl].copy_from_slice(&copy_table);
+        staged_table[tl..2 * tl].copy_from_slice(&verify_table);
+        let ids = p.ids.slice(slot * ids_stride..slot * ids_stride + 2 * total);
+        let table = p.table.slice(slot * table_stride..slot * table_stride + 2 * tl);
+        let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
+        let stream = s.cu_stream();
+        // SAFETY: the staged regions are pinned host memory left untouched until this slot's event
+        // completed (the copies are asynchronous, stream-ordered before the kernels that read them);
+        // the device regions are this slot's.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(addr_of(&ids, &s), &staged_ids[..], stream).map_err(err("uploading block ids"))?;
+            cudarc::driver::result::memcpy_htod_async(addr_of(&table, &s), &staged_table[..2 * tl], stream)
+                .map_err(err("uploading the segment table"))?;
+            cudarc::driver::result::memset_d8_async(addr_of(&sums, &s), 0, 8 * chunks.len(), stream).map_err(err("zeroing the checksums"))?;
+        }
+        let (src_num, dst_num) = (chunks[0].0.num_blocks, chunks[0].1.num_blocks);
+        let copy = KvSegments {
+            segments: &segments,
+            table: table.slice(0..tl),
+            src_ids: ids.slice(0..total),
+            src_num_blocks: src_num,
+            dst_ids: Some(ids.slice(total..2 * total)),
+            dst_num_blocks: dst_num,
+            block_bytes: block_bytes as u64,
+            checksums: None,
+        };
+        // SAFETY: every source base is a layer of a live mapping (or this process's memory) of the
+        // sender's pool, which the sender keeps claimed until we acknowledge the pull; every
+        // destination is a layer of this connector's pool whose blocks the transfer claims; the
+        // table is `kv_segment_table(segments)`; ids, table and sums live in `p`, whose slot stays
+        // the caller's until the event completed.
+        unsafe { kv_copy_segments(&self.gpu, &s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
+        if let Some(k) = corrupt
+            && let Some((_, dst)) = chunks.get(k)
+            && let Some(&last) = dst.ids.last()
+        {
+            s.synchronize().map_err(err("waiting for the KV pull"))?;
+            flip_byte(dst.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
+        }
+        let check = KvSegments {
+            segments: &verify,
+            table: table.slice(tl..2 * tl),
+            src_ids: ids.slice(total..2 * total),
+            src_num_blocks: dst_num,
+            dst_ids: None,
+            dst_num_blocks: 0,
+            block_bytes: block_bytes as u64,
+            checksums: Some(p.sums.slice_mut(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len())),
+        };
+        // SAFETY: as above; the verification only reads the destination blocks.
+        unsafe { kv_copy_segments(&self.gpu, &s, check) }.map_err(|e| gpu_err("launching the KV verification", e))?;
+        // SAFETY: the slot's pinned sums stay untouched by the host until the event completed.
+        let out = unsafe { std::slice::from_raw_parts_mut(p.host.sums().add(slot * PULL_BATCH), chunks.len()) };
+        let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
+        // SAFETY: `out` is pinned host memory of the slot (see above), `sums` its device counters.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, addr_of(&sums, &s), stream) }.map_err(err("reading the checksums"))?;
+        p.events[slot].record(&s).map_err(err("recording the pull's event"))?;
+        Ok(PullEvent {
+            event: p.events[slot].cu_event() as usize,
+            sums: p.host.sums() as usize + slot * PULL_BATCH * 8,
+            blocks: chunks.iter().map(|(s, _)| s.ids.len()).collect(),
+            block_bytes,
+        })
+    }
+}
+
+/// How many pull batches a connector keeps in flight at most.
+pub(crate) const PULL_SLOTS: usize = 16;
+/// The most chunks in one pull batch.
+pub(crate) const PULL_BATCH: usize = 32;
+
+/// A pull in flight: wait for it with [`PullEvent::wait`].
+#[derive(Debug)]
+pub(crate) struct PullEvent {
+    /// The slot's `CUevent` (lives as long as the connector's device side).
+    event: usize,
+    /// Where the slot's sums land in pinned host memory.
+    sums: usize,
+    /// Blocks of each chunk of the batch.
+    blocks: Vec<usize>,
+    block_bytes: usize,
+}
+
+impl PullEvent {
+    /// Waits for the pull and returns the checksum of each chunk's destination blocks after it.
+    /// The `DeviceKv` that made it must be alive (the caller holds it).
+    pub(crate) fn wait(&self, device: &DeviceKv) -> Result<Vec<u64>> {
+        device.context().bind_to_thread().map_err(err("binding the context"))?;
+        // SAFETY: the event belongs to the device's pull state, alive while `device` is.
+        unsafe { cudarc::driver::sys::cuEventSynchronize(self.event as cudarc::driver::sys::CUevent) }
+            .result()
+            .map_err(err("waiting for the KV pull"))?;
+        // SAFETY: the event completed, so the asynchronous download of the slot's sum has landed in
+        // pinned memory, and nothing writes it until the slot is handed out again.
+        let sums = self.blocks.iter().enumerate().map(|(i, &n)| {
+            // SAFETY: as above; sum `i` of the slot lies inside its `PULL_BATCH` pinned words.
+            let sum = unsafe { std::ptr::read_volatile((self.sums as *const u64).add(i)) };
+            kv_checksum_finish(sum, n, self.block_bytes as u64)
+        });
+        Ok(sums.collect())
+    }
+}
+
+fn addr_of<T>(view: &cudarc::driver::CudaView<'_, T>, stream: &CudaStream) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (ptr, _sync) = view.device_ptr(stream);
+    ptr
+}
+
+/// Flips one byte of device memory at `at` (the integrity test hook), synchronously.
+fn flip_byte(at: u64) -> Result<()> {
+    let mut byte = [0u8; 1];
+    // SAFETY: `at` lies inside a destination block the caller names (in range: the kernel checked
+    // it against `num_blocks` and the caller sized the array); synchronous one-byte copies.
+    unsafe {
+        cudarc::driver::result::memcpy_dtoh_sync(&mut byte, at).map_err(err("corrupting (test hook)"))?;
+        byte[0] ^= 0x10;
+        cudarc::driver::result::memcpy_htod_sync(at, &byte).map_err(err("corrupting (test hook)"))?;
+    }
+    Ok(())
+}
+
+/// The receiver's pull state: a stream of its own (so a pull never waits behind the sender-side
+/// checksums of the same connector, nor they behind it), and `PULL_SLOTS` slots of staged ids, a
+/// checksum counter and an event each.
+struct Pull {
+    // Field order is drop order: the pinned staging goes first (it waits for the context's work).
+    host: Pinned,
+    stream: Arc<CudaStream>,
+    ids: CudaSlice<u32>,
+    table: CudaSlice<u64>,
+    sums: CudaSlice<u64>,
+    events: Vec<cudarc::driver::CudaEvent>,
+}
+
+impl Pull {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Pull> {
+        use cudarc::driver::sys::CUevent_flags;
+        let stream = ctx.new_stream().map_err(err("creating the pull stream"))?;
+        let ids_stride = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
+        let table_stride = 2 * (3 * PULL_BATCH + 1);
+        let ids = stream.alloc_zeros::<u32>(PULL_SLOTS * ids_stride).map_err(err("allocating block ids"))?;
+        let table = stream.alloc_zeros::<u64>(PULL_SLOTS * table_stride).map_err(err("allocating segment tables"))?;
+        let sums = stream.alloc_zeros::<u64>(PULL_SLOTS * PULL_BATCH).map_err(err("allocating checksums"))?;
+        let (ids_bytes, table_bytes) = (PULL_SLOTS * ids_stride * 4, PULL_SLOTS * table_stride * 8);
+        let host = Pinned::new(ctx, ids_bytes + table_bytes + PULL_SLOTS * PULL_BATCH * 8, ids_bytes, ids_bytes + table_bytes)?;
+        let events = (0..PULL_SLOTS)
+            .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(err("creating events"))?;
+        stream.synchronize().map_err(err("preparing the pull stream"))?;
+        Ok(Pull { host, stream, ids, table, sums, events })
+    }
+}
+
+/// Page-locked host memory (so copies to and from it are truly asynchronous): staged ids, then
+/// segment tables from `table_at`, then the slots' sums from `sums_at`.
+struct Pinned {
+    ptr: usize,
+    table_at: usize,
+    sums_at: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Pinned {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize, table_at: usize, sums_at: usize) -> Result<Pinned> {
+        ctx.bind_to_thread().map_err(err("binding the context"))?;
+        // SAFETY: a plain page-locked allocation of `bytes`, freed once in `Drop`.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(err("allocating pinned host memory"))?;
+        // SAFETY: fresh allocation of `bytes` bytes.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
+        Ok(Pinned { ptr: ptr as usize, table_at, sums_at, ctx: Arc::clone(ctx) })
+    }
+    fn ids(&self) -> *mut u32 {
+        self.ptr as *mut u32
+    }
+    fn table(&self) -> *mut u64 {
+        (self.ptr + self.table_at) as *mut u64
+    }
+    fn sums(&self) -> *mut u64 {
+        (self.ptr + self.sums_at) as *mut u64
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // The pull stream is dropped after this (field order), but its work must be over before the
+        // staging memory goes: wait for the whole context.
+        if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
+            // SAFETY: allocated by `malloc_host` in `new`, freed exactly once, no copy in flight.
+            let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+        }
     }
 }
 

@@ -50,6 +50,7 @@ kernels! {
     DecodeReduce => "decode_reduce",
     Sample => "sample",
     KvCopyBlocks => "kv_copy_blocks",
+    KvCopySegments => "kv_copy_segments",
 }
 
 /// Dynamic shared memory the attention and sampling kernels may use (they opt in above the

@@ -219,3 +219,175 @@ pub unsafe fn kv_copy_blocks(gpu: &Gpu, stream: &CudaStream, op: KvCopy<'_>) -> 
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
+
+/// One chunk of a segmented launch ([`kv_copy_segments`]): `blocks` pairs of the launch's id
+/// lists, read from the array at `src` and (when copying) written to the array at `dst` (both of
+/// the launch's `num_blocks`; usually one layer of each pool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSegment {
+    /// Device address of block 0 of the source array; 16-byte aligned, non-null.
+    pub src: u64,
+    /// Device address of block 0 of the destination array (ignored without a copy).
+    pub dst: u64,
+    /// Pairs in this segment (positive).
+    pub blocks: u32,
+}
+
+/// The device table a segmented launch reads, as u64 words: every segment's source base, then
+/// every destination base, then the segments' starts in the id lists (`segments.len() + 1` of
+/// them, the last being the total). Upload it and pass it as [`KvSegments::table`].
+pub fn kv_segment_table(segments: &[KvSegment]) -> Vec<u64> {
+    let mut t = Vec::with_capacity(3 * segments.len() + 1);
+    t.extend(segments.iter().map(|s| s.src));
+    t.extend(segments.iter().map(|s| s.dst));
+    let mut at = 0u64;
+    t.push(0);
+    for s in segments {
+        at += u64::from(s.blocks);
+        t.push(at);
+    }
+    t
+}
+
+/// A segmented launch: several chunks, each with its own arrays and checksum, in one kernel.
+#[derive(Debug)]
+pub struct KvSegments<'a> {
+    /// The segments, on the host (checked by the launcher).
+    pub segments: &'a [KvSegment],
+    /// [`kv_segment_table`] of `segments`, on the device.
+    pub table: CudaView<'a, u64>,
+    /// Source block ids, every segment's in turn (as many as the segments' blocks in total).
+    pub src_ids: CudaView<'a, u32>,
+    /// Blocks of each source array.
+    pub src_num_blocks: u32,
+    /// Destination block ids (as many as `src_ids`); `None` reads and sums only.
+    pub dst_ids: Option<CudaView<'a, u32>>,
+    /// Blocks of each destination array.
+    pub dst_num_blocks: u32,
+    /// Bytes per block: a positive multiple of 16, at most 1 GiB.
+    pub block_bytes: u64,
+    /// Element `s` receives `+=` segment `s`'s wrapping sum (zero them first; finish each with
+    /// [`kv_checksum_finish`] and the segment's block count). `None` copies without checksums.
+    pub checksums: Option<CudaViewMut<'a, u64>>,
+}
+
+/// Enqueues a segmented copy (or, with `dst_ids: None`, checksum-only pass) on `stream` and
+/// returns without waiting: for each segment `s`, what [`kv_copy_blocks`] does for a chunk whose
+/// arrays start at `segments[s].src` / `.dst` and whose ids are the segment's slice of the lists,
+/// with `checksums[s]` as its counter. No segments enqueues nothing.
+///
+/// # Safety
+///
+/// As for [`kv_copy_blocks`], for every segment's arrays (`src_num_blocks` / `dst_num_blocks`
+/// blocks each); besides, `table` must hold exactly [`kv_segment_table`] of `segments` (the kernel
+/// takes the arrays' addresses from it), and it, the ids and the checksums must stay alive until
+/// the stream has executed the launch.
+pub unsafe fn kv_copy_segments(gpu: &Gpu, stream: &CudaStream, op: KvSegments<'_>) -> Result<()> {
+    let KvSegments {
+        segments,
+        table,
+        src_ids,
+        src_num_blocks,
+        dst_ids,
+        dst_num_blocks,
+        block_bytes,
+        checksums,
+    } = op;
+    check(
+        block_bytes > 0 && block_bytes.is_multiple_of(16) && block_bytes <= MAX_BLOCK_BYTES,
+        || format!("block_bytes {block_bytes} is not a positive multiple of 16 up to 1 GiB"),
+    )?;
+    check(
+        stream.context().cu_ctx() == gpu.stream().context().cu_ctx(),
+        || "the stream belongs to another CUDA context than the Gpu".into(),
+    )?;
+    if segments.is_empty() {
+        return Ok(());
+    }
+    let nseg = to_i32("segments", segments.len())?;
+    check(table.len() == 3 * segments.len() + 1, || {
+        format!(
+            "a table of {} words for {} segments",
+            table.len(),
+            segments.len()
+        )
+    })?;
+    let mut n = 0usize;
+    for (i, s) in segments.iter().enumerate() {
+        check(s.blocks > 0, || format!("segment {i} is empty"))?;
+        n += s.blocks as usize;
+        check_array(
+            "source",
+            BlockArray {
+                base: s.src,
+                num_blocks: src_num_blocks,
+            },
+            block_bytes,
+        )?;
+        if dst_ids.is_some() {
+            check_array(
+                "destination",
+                BlockArray {
+                    base: s.dst,
+                    num_blocks: dst_num_blocks,
+                },
+                block_bytes,
+            )?;
+        }
+    }
+    check(src_ids.len() == n, || {
+        format!("{} source ids for segments of {n} blocks", src_ids.len())
+    })?;
+    if let Some(d) = &dst_ids {
+        check(d.len() == n, || {
+            format!("{} destination ids for {n} source ids", d.len())
+        })?;
+    }
+    if let Some(c) = &checksums {
+        check(c.len() >= segments.len(), || {
+            format!("{} checksums for {} segments", c.len(), segments.len())
+        })?;
+    }
+    let block_vecs = (block_bytes / 16) as i32; // <= 2^26: checked above
+    let tasks = (n as u64) * (block_bytes / 16).div_ceil(TASK_VECS);
+    let warps_per_cta = u64::from(THREADS / 32);
+    let sms = stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let max_ctas = u32::try_from(sms).unwrap_or(1).clamp(1, 65_535) * CTAS_PER_SM;
+    let warps = tasks.min(u64::from(max_ctas) * warps_per_cta);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks(warps as usize, warps_per_cta as usize), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (dst_ptr, do_copy) = match &dst_ids {
+        Some(d) => (addr(d, stream), 1i32),
+        None => (0u64, 0i32),
+    };
+    let checksum_ptr = match &checksums {
+        Some(c) => addr(c, stream),
+        None => 0u64,
+    };
+    let table_ptr = addr(&table, stream);
+    let src_ptr = addr(&src_ids, stream);
+    let mut launch = stream.launch_builder(gpu.func(Kernel::KvCopySegments));
+    launch
+        .arg(&table_ptr)
+        .arg(&nseg)
+        .arg(&src_ptr)
+        .arg(&src_num_blocks)
+        .arg(&dst_ptr)
+        .arg(&dst_num_blocks)
+        .arg(&block_vecs)
+        .arg(&checksum_ptr)
+        .arg(&do_copy);
+    // SAFETY: argument types match `kv_copy_segments` in kv_copy.cu (device addresses as u64, 0 =
+    // null; nseg, block_vecs, do_copy int; num_blocks u32). The kernel reads table[0..3 nseg + 1)
+    // (checked length; the caller guarantees its content, so every base it uses is one checked
+    // above), src_ids and dst_ids [0..n) (checked lengths), reads and writes only blocks whose ids
+    // it checked against num_blocks inside arrays valid for num_blocks * block_bytes bytes, and
+    // writes checksums[0..nseg) only when the pointer is non-null.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}

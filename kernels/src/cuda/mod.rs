@@ -49,7 +49,10 @@ pub use gemm_lt::{GemmPlans, GemmShape, LtAlgo, LtGemm, ShapeTimes, TuneOut};
 pub use gpu::Gpu;
 pub use graph::{Graph, capture};
 pub use ipc::{IPC_ARRAY_ALIGN, IpcAlloc, IpcArrays, IpcMapping};
-pub use kv_copy::{BlockArray, BlockList, KV_BAD_BLOCK_POISON, KvCopy, kv_checksum_finish, kv_copy_blocks};
+pub use kv_copy::{
+    BlockArray, BlockList, KV_BAD_BLOCK_POISON, KvCopy, KvSegment, KvSegments, kv_checksum_finish, kv_copy_blocks, kv_copy_segments,
+    kv_segment_table,
+};
 pub use half::bf16;
 pub use sampling::{SampleParams, sample};
 pub use staging::{StagedCopy, Staging};

@@ -1,68 +1,82 @@
-//! The CUDA IPC backend (same host): the sender writes each chunk straight into the receiver's device
-//! pool, no host memory and no socket on the data path. A Unix socket carries the control messages:
-//! at connect the receiver exports its pool (one `cuIpcGetMemHandle` of the allocation holding every
-//! layer) and the sender opens it once per link (`cuIpcOpenMemHandle`; a receiver in the same
-//! process is used through its own addresses, which CUDA requires). Per chunk: the sender announces
-//! the frame, the receiver's inbox names the destination blocks, the receiver answers with their
-//! ids, the sender runs the copy kernel from its blocks into the mapped ones on its transfer stream,
-//! waits for it, and reports the payload written. The connector core then verifies the chunk's
-//! checksum on the receiver's GPU before anything is reported.
+//! The CUDA IPC backend (same host): the receiver pulls each chunk straight from the sender's
+//! device pool into its own, no host memory and no socket on the data path, several chunks in
+//! flight. A Unix socket carries the control messages: at connect the sender exports its pool (one
+//! `cuIpcGetMemHandle` of the allocation holding every layer) and the receiver opens it once per
+//! link (`cuIpcOpenMemHandle`; a sender in the same process is used through its own addresses,
+//! which CUDA requires, and kept alive by the link). Per chunk: the sender announces the frame and
+//! where its blocks lie (layer and block ids in its pool) and goes on to the next chunk at once;
+//! the receiver's inbox names the destination blocks, and the receiver enqueues, on a stream of its
+//! own, the copy kernel (sender's blocks → its blocks) and behind it the verification pass over the
+//! destination blocks, and reads the next message. A completion thread waits for each chunk's
+//! event in order and reports the payload landed with the destination's checksum, which the
+//! connector core compares with the sender's before anything is reported; acknowledgements tell
+//! the sender which chunks' memory is no longer read.
 //!
 //! Endpoint: `cuda-ipc://HOSTKEY/path/to/socket`, where HOSTKEY identifies this host's boot; a
 //! sender on another host refuses the endpoint at connect (never a silent fall-back).
 //!
 //! Invariants (besides those of every transport):
-//! - Payloads only flow from the side that connected (the sender) to the side that accepted.
-//! - A peer's mapping lives exactly as long as the link (closed with it); a link never writes into a
-//!   peer pool whose layout it did not check against its own geometry at connect.
-//! - Every `Delivery::Into` is answered by one `on_payload`, also when the link closes between the
-//!   destination's announcement and the copy's report; in that case only after a grace period
-//!   (a live sender's one-kernel copy has ended by then), so the blocks are not reused under a copy.
+//! - Payloads only flow from the side that connected (the sender) to the side that accepted; the
+//!   receiver's kernels are the only writers of its pool, and write only the blocks its inbox named.
+//! - A sender keeps each payload (and the claim on its blocks) until the receiver acknowledged the
+//!   pull, or the link closed.
+//! - A peer's mapping lives as long as the link and every pull still running from it; a receiver
+//!   never reads a peer pool whose layout it did not check against its own geometry at connect.
+//! - Every `Delivery::Into` is answered by one `on_payload`, in delivery order, after the chunk's
+//!   kernels finished (also when the link closes meanwhile); `on_link_closed` comes after the last
+//!   of them, and `shutdown` returns only when no pull is running.
 //! - An accepted connection must complete its handshake within 5 s; each control message is at most
 //!   64 KiB.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::core::lock;
-use crate::device::{Blocks, DeviceKv};
+use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
-use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 /// Where the control socket goes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CudaIpcOptions {
     /// Directory of the socket (default: the system's temporary directory).
     pub dir: Option<PathBuf>,
-    /// Test hook: flip one byte in the destination of every Nth chunk this transport copies, after
-    /// the copy, so the receiver's verification must catch it. Also set by the environment variable
-    /// `TANDEM_KV_TEST_CORRUPT_CHUNK=N` (for tests that drive whole processes).
+    /// Test hook: flip one byte in the destination of every Nth chunk this transport sends (the
+    /// receiver applies it between its copy and its verification pass, which must catch it). Also
+    /// set by the environment variable `TANDEM_KV_TEST_CORRUPT_CHUNK=N` (for tests that drive whole
+    /// processes).
     pub corrupt_every: Option<u64>,
 }
 
 const HANDSHAKE: Duration = Duration::from_secs(5);
-/// How long a receiver keeps a chunk's blocks claimed after its link closed mid-copy.
-const WRITE_GRACE: Duration = Duration::from_millis(250);
+/// How long `shutdown` waits for running pulls (kernels of a few milliseconds) before giving up.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 const MAX_MESSAGE: usize = 64 * 1024;
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 
+/// Sender → receiver: version, host, and the sender's pool.
 const K_HELLO: u8 = 1;
-const K_POOL: u8 = 2;
+/// Receiver → sender: the pool is open, the link is up.
+const K_OK: u8 = 2;
 const K_REFUSE: u8 = 3;
+/// A message; with a payload, where the payload's blocks lie in the sender's pool.
 const K_MSG: u8 = 4;
-const K_WRITE_TO: u8 = 5;
-const K_WRITTEN: u8 = 6;
+/// Receiver → sender: every payload up to this sequence number is pulled (no longer read).
+const K_PULLED: u8 = 5;
+
+/// Flag bit in a payload message: the test hook asks the receiver to corrupt this chunk.
+const MSG_CORRUPT: u8 = 1;
 
 /// This host's identity (its boot), so an endpoint names the host it lives on.
 fn host_key() -> u64 {
@@ -71,14 +85,35 @@ fn host_key() -> u64 {
     twox_hash::XxHash3_64::oneshot(id.as_bytes())
 }
 
+/// This process's exported pools by base address, so a receiver in the same process (which uses a
+/// sender's own addresses) keeps the sender's memory alive while it reads it.
+fn local_pools() -> &'static Mutex<HashMap<u64, Weak<KvMemory>>> {
+    static POOLS: OnceLock<Mutex<HashMap<u64, Weak<KvMemory>>>> = OnceLock::new();
+    POOLS.get_or_init(Mutex::default)
+}
 
-
-/// A peer pool opened for writing: where each layer's blocks start in this process's address space.
+/// A sender's pool opened for reading: where each layer's blocks start in this process's address
+/// space.
 struct PeerPool {
     _mapping: Option<tandem_kernels::cuda::IpcMapping>,
+    /// A sender in this process: its memory, kept alive while pulls read it.
+    _local: Option<Arc<KvMemory>>,
     layer_bases: Vec<u64>,
     num_blocks: u32,
     block_bytes: u64,
+}
+
+/// A batch of pulls in flight, waited for by the completion thread.
+struct Job {
+    pull: PullEvent,
+    /// Each chunk's inbox token, in order.
+    tokens: Vec<u64>,
+    /// Sequence number of the batch's last message.
+    seq: u64,
+    link: Arc<IpcLink>,
+    _pool: Arc<PeerPool>,
+    slot: usize,
+    _permit: OwnedSemaphorePermit,
 }
 
 /// The CUDA IPC transport; see the module doc.
@@ -90,7 +125,7 @@ pub struct CudaIpcTransport {
     /// The GPU the pool lies on.
     ordinal: i32,
     inbox: Arc<dyn Inbox>,
-    /// The exported pool, as sent to peers (`K_POOL` body).
+    /// Our exported pool, as sent to receivers (`K_HELLO` body after version and host).
     pool_message: Vec<u8>,
     host: u64,
     links: Mutex<HashMap<u64, Arc<IpcLink>>>,
@@ -98,8 +133,78 @@ pub struct CudaIpcTransport {
     accept: Mutex<Option<JoinHandle<()>>>,
     shut: AtomicBool,
     corrupt_every: Option<u64>,
-    copied: AtomicU64,
+    sent: AtomicU64,
+    /// Pull slots: a permit per pull in flight.
+    slots: Arc<Semaphore>,
+    pulls: Arc<Pulls>,
+    /// To the completion thread (`None` after shutdown).
+    jobs: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
     me: Weak<CudaIpcTransport>,
+}
+
+/// What enqueuing and reporting pulls share (the transport and its completion thread).
+struct Pulls {
+    device: Arc<DeviceKv>,
+    inbox: Arc<dyn Inbox>,
+    free_slots: Mutex<Vec<usize>>,
+    /// Pulls in flight over all links (shutdown waits for zero).
+    running: Mutex<usize>,
+    idle: Condvar,
+    rt: tokio::runtime::Handle,
+}
+
+impl Pulls {
+    /// Reports a finished batch (its kernels are waited for here), frees its slot, and acknowledges
+    /// it to the sender.
+    fn finish(&self, job: Job) {
+        let result = job.pull.wait(&self.device);
+        let dyn_link: Arc<dyn Link> = Arc::clone(&job.link) as Arc<dyn Link>;
+        let failed = result.is_err();
+        match result {
+            Ok(sums) => {
+                for (&token, sum) in job.tokens.iter().zip(sums) {
+                    self.inbox.on_payload(&dyn_link, token, Ok(Landed { checksum: Some(sum) }));
+                }
+            }
+            Err(e) => {
+                for &token in &job.tokens {
+                    self.inbox.on_payload(&dyn_link, token, Err(e.to_string()));
+                }
+            }
+        }
+        lock(&self.free_slots).push(job.slot);
+        // Batches complete in the order the reader met their messages, and discarded messages are
+        // done at once: when this link has no batch left, everything up to the last message the
+        // reader handled is done; otherwise everything up to this batch's last.
+        let mut ack = job.seq;
+        job.link.in_flight.send_modify(|f| {
+            f.running -= 1;
+            if f.running == 0 {
+                ack = f.last_seq;
+            }
+        });
+        job.link.acknowledge(&self.rt, ack);
+        if failed {
+            job.link.close();
+        }
+        drop(job);
+        let mut running = lock(&self.running);
+        *running -= 1;
+        if *running == 0 {
+            self.idle.notify_all();
+        }
+    }
+}
+
+/// One announced chunk the reader collected for the next batch.
+struct PullReq {
+    token: u64,
+    seq: u64,
+    src_layer: u32,
+    src_ids: Vec<u32>,
+    dst_layer: u32,
+    dst_ids: Vec<u32>,
+    corrupt: bool,
 }
 
 impl CudaIpcTransport {
@@ -127,8 +232,6 @@ impl CudaIpcTransport {
         let host = host_key();
         let g = memory.geometry();
         let mut pool = Vec::with_capacity(128 + 8 * g.num_layers() as usize);
-        pool.extend_from_slice(&VERSION.to_le_bytes());
-        pool.extend_from_slice(&host.to_le_bytes());
         pool.extend_from_slice(&std::process::id().to_le_bytes());
         pool.extend(handle.reserved.iter().map(|&b| b as u8));
         pool.extend_from_slice(&allocation.base.to_le_bytes());
@@ -139,22 +242,22 @@ impl CudaIpcTransport {
         for l in 0..g.num_layers() {
             pool.extend_from_slice(&(memory.layer_base(l) as u64 - allocation.base).to_le_bytes());
         }
+        lock(local_pools()).insert(allocation.base, Arc::downgrade(&memory));
         let dir = opts.dir.clone().unwrap_or_else(std::env::temp_dir);
         let path = dir.join(format!("tandem-kv-{}-{:016x}.sock", std::process::id(), getrandom::u64().unwrap_or(0)));
         let listener = UnixListener::bind(&path).map_err(|e| Error::Invalid(format!("cannot listen on {}: {e}", path.display())))?;
-        // Only this user may connect: the socket hands out write access to the GPU pool.
+        // Only this user may connect: the socket hands out read access to the GPU pool.
         {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
         }
         let endpoint = format!("cuda-ipc://{host:016x}{}", path.display());
+        let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
         let transport = Arc::new_cyclic(|me| CudaIpcTransport {
             endpoint,
             path,
             memory,
-            device,
             ordinal,
-            inbox,
             pool_message: pool,
             host,
             links: Mutex::new(HashMap::new()),
@@ -162,9 +265,26 @@ impl CudaIpcTransport {
             accept: Mutex::new(None),
             shut: AtomicBool::new(false),
             corrupt_every: opts.corrupt_every.or_else(super::corrupt_every_from_env),
-            copied: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
+            slots: Arc::new(Semaphore::new(PULL_SLOTS)),
+            pulls: Arc::new(Pulls {
+                device: Arc::clone(&device),
+                inbox: Arc::clone(&inbox),
+                free_slots: Mutex::new((0..PULL_SLOTS).rev().collect()),
+                running: Mutex::new(0),
+                idle: Condvar::new(),
+                rt: tokio::runtime::Handle::current(),
+            }),
+            device,
+            inbox,
+            jobs: Mutex::new(Some(jobs_tx)),
             me: me.clone(),
         });
+        let pulls = Arc::clone(&transport.pulls);
+        std::thread::Builder::new()
+            .name("tandem-kv-pull".into())
+            .spawn(move || completion_thread(jobs_rx, pulls))
+            .map_err(|e| Error::Invalid(format!("starting the cuda-ipc completion thread: {e}")))?;
         let me = Arc::downgrade(&transport);
         let task = tokio::spawn(async move {
             loop {
@@ -191,17 +311,17 @@ impl CudaIpcTransport {
                 } else if host != self.host {
                     Err("the sender is on another host: CUDA IPC works within one host only".to_string())
                 } else {
-                    Ok(())
+                    self.open_pool(&body[10..])
                 }
             }
             _ => return, // no handshake in time, or garbage: just close
         };
         match verdict {
-            Ok(()) => {
-                if write_message(&mut stream, K_POOL, &self.pool_message).await.is_err() {
+            Ok(pool) => {
+                if write_message(&mut stream, K_OK, &[]).await.is_err() {
                     return;
                 }
-                self.adopt(stream, "cuda-ipc peer".into(), None);
+                self.adopt(stream, "cuda-ipc peer".into(), Some(Arc::new(pool)));
             }
             Err(reason) => {
                 let _ = write_message(&mut stream, K_REFUSE, reason.as_bytes()).await;
@@ -209,7 +329,8 @@ impl CudaIpcTransport {
         }
     }
 
-    fn adopt(&self, stream: UnixStream, peer: String, pool: Option<PeerPool>) -> Arc<IpcLink> {
+    /// `pool`: the sender's pool on the receiving side, `None` on the sending side.
+    fn adopt(&self, stream: UnixStream, peer: String, pool: Option<Arc<PeerPool>>) -> Arc<IpcLink> {
         let (rd, wr) = stream.into_split();
         let (state, closed_rx) = LinkState::new(peer);
         let link = Arc::new(IpcLink {
@@ -217,7 +338,9 @@ impl CudaIpcTransport {
             writer: tokio::sync::Mutex::new(Some(wr)),
             state,
             pool,
-            write_to: Mutex::new(None),
+            held: Mutex::new(VecDeque::new()),
+            next_seq: AtomicU64::new(1),
+            in_flight: watch::Sender::new(InFlight::default()),
             transport: self.me.clone(),
         });
         lock(&self.links).insert(link.id, Arc::clone(&link));
@@ -229,70 +352,110 @@ impl CudaIpcTransport {
         link
     }
 
-    /// Opens the peer's pool from its `K_POOL` message, checking its layout against ours.
+    /// Opens the sender's pool from its `K_HELLO` message, checking its layout against ours.
     fn open_pool(&self, body: &[u8]) -> std::result::Result<PeerPool, String> {
         let mut r = Cursor { buf: body };
-        let (version, host, pid) = (r.u16()?, r.u64()?, r.u32()?);
-        if version != VERSION {
-            return Err(format!("cuda-ipc version: sender speaks {VERSION}, receiver {version}"));
-        }
-        if host != self.host {
-            return Err("the receiver is on another host".into());
-        }
+        let pid = r.u32()?;
         let mut handle = [0u8; 64];
         for slot in handle.iter_mut() {
             *slot = r.u8()?;
         }
         let (base, bytes, num_blocks, block_bytes, num_layers) = (r.u64()?, r.u64()?, r.u32()?, r.u64()?, r.u32()?);
-        // A pool of another geometry is refused by the connector's handshake (with the reason); copies
-        // check the layout again before writing anything.
+        // A pool of another geometry is refused by the connector's handshake (with the reason); pulls
+        // check the layout again before reading anything.
         if num_layers > 65_536 {
-            return Err(format!("the receiver's pool claims {num_layers} layers"));
+            return Err(format!("the sender's pool claims {num_layers} layers"));
         }
         let layer_bytes = u64::from(num_blocks).checked_mul(block_bytes).ok_or("pool size overflows")?;
         let mut offsets = Vec::with_capacity(num_layers as usize);
         for _ in 0..num_layers {
             let off = r.u64()?;
             if off.checked_add(layer_bytes).is_none_or(|end| end > bytes) || off % 16 != 0 {
-                return Err(format!("layer offset {off} lies outside the receiver's {bytes}-byte pool"));
+                return Err(format!("layer offset {off} lies outside the sender's {bytes}-byte pool"));
             }
             offsets.push(off);
         }
-        let (mapping, mapped) = if pid == std::process::id() {
-            // CUDA refuses to open a handle in the process that exported it: the receiver's own
-            // addresses serve, and if its pool lies on another GPU, this GPU's kernels need peer
-            // access to it (another process's mapping gets it from the lazy flag of the open).
+        let (mapping, local, mapped) = if pid == std::process::id() {
+            // CUDA refuses to open a handle in the process that exported it: the sender's own
+            // addresses serve (its memory kept alive through the registry), and if its pool lies on
+            // another GPU, this GPU's kernels need peer access to it (another process's mapping gets
+            // it from the lazy flag of the open).
+            let local = lock(local_pools()).get(&base).and_then(Weak::upgrade).ok_or("the sender's pool is gone")?;
             let theirs = crate::device::device_of(self.ordinal, base).map_err(|e| e.to_string())?;
             crate::device::enable_peer_access(self.ordinal, theirs).map_err(|e| e.to_string())?;
-            (None, base)
+            (None, Some(local), base)
         } else {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
-                .map_err(|e| format!("opening the receiver's pool (cuIpcOpenMemHandle): {e}"))?;
+                .map_err(|e| format!("opening the sender's pool (cuIpcOpenMemHandle): {e}"))?;
             let p = m.ptr();
-            (Some(m), p)
+            (Some(m), None, p)
         };
-        Ok(PeerPool { _mapping: mapping, layer_bases: offsets.iter().map(|o| mapped + o).collect(), num_blocks, block_bytes })
+        Ok(PeerPool { _mapping: mapping, _local: local, layer_bases: offsets.iter().map(|o| mapped + o).collect(), num_blocks, block_bytes })
     }
 
-    /// Copies a chunk into the peer's blocks; returns nothing (the receiver verifies).
-    fn copy(&self, pool: &PeerPool, payload: &Payload, to: &WriteTo) -> Result<()> {
-        let bad = |why: String| Error::Invalid(format!("cuda-ipc copy: {why}"));
+    /// Enqueues a batch of announced chunks as one pull; the completion thread reports it. On
+    /// failure every chunk of the batch is reported failed here.
+    fn start_pull(&self, link: &Arc<IpcLink>, pool: &Arc<PeerPool>, batch: Vec<PullReq>, permit: OwnedSemaphorePermit) -> std::result::Result<(), String> {
+        let started = self.enqueue(link, pool, &batch, permit);
+        if let Err(reason) = &started {
+            let dyn_link: Arc<dyn Link> = Arc::clone(link) as Arc<dyn Link>;
+            for r in &batch {
+                self.inbox.on_payload(&dyn_link, r.token, Err(format!("the pull could not start: {reason}")));
+            }
+        }
+        started
+    }
+
+    fn enqueue(&self, link: &Arc<IpcLink>, pool: &Arc<PeerPool>, batch: &[PullReq], permit: OwnedSemaphorePermit) -> std::result::Result<(), String> {
         let bb = self.memory.geometry().block_bytes();
         if pool.block_bytes != bb as u64 || pool.layer_bases.len() != self.memory.geometry().num_layers() as usize {
-            return Err(bad("the receiver's pool has another layout than this one".into()));
+            return Err("the sender's pool has another layout than this one".into());
         }
-        let (src_layer, src_ids) =
-            self.memory.blocks_of(payload.iovs()).ok_or_else(|| bad("the payload is not whole blocks of one layer of the pool".into()))?;
-        if src_ids.len() != to.ids.len() {
-            return Err(bad(format!("{} source blocks, the receiver names {}", src_ids.len(), to.ids.len())));
+        let mut chunks = Vec::with_capacity(batch.len());
+        for r in batch {
+            let src_base = *pool.layer_bases.get(r.src_layer as usize).ok_or_else(|| format!("source layer {} out of range", r.src_layer))?;
+            chunks.push((
+                Blocks { base: src_base, num_blocks: pool.num_blocks, ids: &r.src_ids },
+                Blocks { base: self.memory.layer_base(r.dst_layer) as u64, num_blocks: self.memory.num_blocks(), ids: &r.dst_ids },
+            ));
         }
-        let dst_base = *pool.layer_bases.get(to.layer as usize).ok_or_else(|| bad(format!("layer {} out of range", to.layer)))?;
-        let src = Blocks { base: self.memory.layer_base(src_layer) as u64, num_blocks: self.memory.num_blocks(), ids: &src_ids };
-        let dst = Blocks { base: dst_base, num_blocks: pool.num_blocks, ids: &to.ids };
-        let n = self.copied.fetch_add(1, Ordering::Relaxed) + 1;
-        let corrupt = self.corrupt_every.is_some_and(|k| n.is_multiple_of(k));
-        self.device.copy(src, dst, bb, corrupt)?;
+        let corrupt = batch.iter().position(|r| r.corrupt);
+        let slot = lock(&self.pulls.free_slots).pop().ok_or("no free pull slot")?;
+        let pull = match self.device.pull(slot, &chunks, bb, corrupt) {
+            Ok(p) => p,
+            Err(e) => {
+                lock(&self.pulls.free_slots).push(slot);
+                return Err(e.to_string());
+            }
+        };
+        let seq = batch.last().map_or(0, |r| r.seq);
+        *lock(&self.pulls.running) += 1;
+        link.in_flight.send_modify(|f| {
+            f.running += 1;
+            f.last_seq = f.last_seq.max(seq);
+        });
+        let tokens = batch.iter().map(|r| r.token).collect();
+        let job = Job { pull, tokens, seq, link: Arc::clone(link), _pool: Arc::clone(pool), slot, _permit: permit };
+        let tx = lock(&self.jobs).clone();
+        let job = match tx {
+            Some(tx) => match tx.send(job) {
+                Ok(()) => return Ok(()),
+                Err(std::sync::mpsc::SendError(job)) => job,
+            },
+            None => job,
+        };
+        // The completion thread is gone (shutdown): report here, after waiting for the kernels.
+        self.pulls.finish(job);
         Ok(())
+    }
+}
+
+/// Waits for pulls in the order they were enqueued and reports them (one thread per transport;
+/// it ends when the transport dropped its end of the queue and every pull is reported).
+fn completion_thread(jobs: std::sync::mpsc::Receiver<Job>, pulls: Arc<Pulls>) {
+    let _ = pulls.device.context().bind_to_thread();
+    while let Ok(job) = jobs.recv() {
+        pulls.finish(job);
     }
 }
 
@@ -325,17 +488,18 @@ impl Transport for CudaIpcTransport {
             let mut stream = UnixStream::connect(path).await.map_err(|e| unreachable(e.to_string()))?;
             let mut hello = VERSION.to_le_bytes().to_vec();
             hello.extend_from_slice(&self.host.to_le_bytes());
+            hello.extend_from_slice(&self.pool_message);
             write_message(&mut stream, K_HELLO, &hello).await.map_err(|e| unreachable(e.to_string()))?;
             let reply = tokio::time::timeout(HANDSHAKE, read_message(&mut stream))
                 .await
                 .map_err(|_| unreachable("no cuda-ipc handshake reply".into()))?
                 .map_err(|e| unreachable(e.to_string()))?;
-            let pool = match reply {
-                (K_POOL, body) => self.open_pool(&body).map_err(Error::Incompatible)?,
+            match reply {
+                (K_OK, _) => {}
                 (K_REFUSE, body) => return Err(Error::Incompatible(String::from_utf8_lossy(&body).into_owned())),
                 (k, _) => return Err(unreachable(format!("unexpected handshake message {k}"))),
-            };
-            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), Some(pool));
+            }
+            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), None);
             Ok(link)
         })
     }
@@ -350,20 +514,27 @@ impl Transport for CudaIpcTransport {
             link.close();
         }
         let _ = std::fs::remove_file(&self.path);
+        // No callback after this returns: wait until the completion thread reported every pull.
+        let running = lock(&self.pulls.running);
+        let (running, timeout) = self.pulls.idle.wait_timeout_while(running, SHUTDOWN_WAIT, |n| *n > 0).unwrap_or_else(|e| e.into_inner());
+        if timeout.timed_out() {
+            tracing::warn!(running = *running, "cuda-ipc shutdown: pulls still running after {SHUTDOWN_WAIT:?}");
+        }
+        drop(running);
+        lock(&self.jobs).take();
     }
 }
 
 impl Drop for CudaIpcTransport {
     fn drop(&mut self) {
         self.shutdown();
+        if let Some(a) = self.memory.device_allocation() {
+            let mut pools = lock(local_pools());
+            if pools.get(&a.base).is_some_and(|w| w.ptr_eq(&Arc::downgrade(&self.memory))) {
+                pools.remove(&a.base);
+            }
+        }
     }
-}
-
-/// Where the receiver wants a chunk: blocks `ids` of `layer`, or nowhere (`discard`).
-struct WriteTo {
-    discard: bool,
-    layer: u32,
-    ids: Vec<u32>,
 }
 
 /// One control connection.
@@ -371,14 +542,33 @@ struct IpcLink {
     id: u64,
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
     state: LinkState,
-    /// Sender side: the receiver's pool, mapped.
-    pool: Option<PeerPool>,
-    /// Sender side: the send waiting for the receiver to name the destination of its payload.
-    write_to: Mutex<Option<oneshot::Sender<WriteTo>>>,
+    /// Receiver side: the sender's pool, open; `None` on the sending side.
+    pool: Option<Arc<PeerPool>>,
+    /// Sender side: payloads the receiver may still be reading, by sequence number.
+    held: Mutex<VecDeque<(u64, Payload)>>,
+    next_seq: AtomicU64,
+    /// Receiver side: pulls of this link not yet reported, and the last message the reader met.
+    in_flight: watch::Sender<InFlight>,
     transport: Weak<CudaIpcTransport>,
 }
 
+/// A receiving link's pulls in flight.
+#[derive(Debug, Default, Clone, Copy)]
+struct InFlight {
+    running: usize,
+    /// Sequence number of the last payload message the reader handled (pulled or discarded).
+    last_seq: u64,
+}
+
 impl IpcLink {
+    /// Tells the sender that every payload up to `seq` is no longer read (from any thread).
+    fn acknowledge(self: &Arc<Self>, rt: &tokio::runtime::Handle, seq: u64) {
+        let link = Arc::clone(self);
+        rt.spawn(async move {
+            let _ = link.reply(K_PULLED, &seq.to_le_bytes()).await;
+        });
+    }
+
     async fn write(&self, wr: &mut OwnedWriteHalf, kind: u8, body: &[u8]) -> Result<()> {
         let mut torn = self.state.torn_guard();
         write_message(wr, kind, body).await.map_err(|e| self.state.err(e.to_string()))?;
@@ -386,41 +576,40 @@ impl IpcLink {
         Ok(())
     }
 
-    /// One message with its payload (sender side): announce, learn the destination, copy, report.
-    async fn send_message(&self, header: &[u8], payload: &Payload) -> Result<()> {
+    /// One message with its payload (sender side): where the payload's blocks lie, then the header.
+    /// Returns once it is written; the payload is held until the receiver acknowledges the pull.
+    async fn send_message(&self, header: &[u8], payload: Payload) -> Result<()> {
+        let mut msg = payload.len().to_le_bytes().to_vec();
+        if !payload.is_empty() {
+            let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
+            if self.pool.is_some() {
+                return Err(Error::Unsupported { backend: "cuda-ipc".into(), what: "payloads from the accepting side".into() });
+            }
+            let bad = |why: &str| Error::Invalid(format!("cuda-ipc send: {why}"));
+            let (layer, ids) =
+                transport.memory.blocks_of(payload.iovs()).ok_or_else(|| bad("the payload is not whole blocks of one layer of the pool"))?;
+            if ids.len() > crate::MAX_CHUNK_BLOCKS as usize {
+                return Err(bad("the payload exceeds a chunk"));
+            }
+            let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            let n = transport.sent.fetch_add(1, Ordering::Relaxed) + 1;
+            let corrupt = transport.corrupt_every.is_some_and(|k| n.is_multiple_of(k));
+            msg.extend_from_slice(&seq.to_le_bytes());
+            msg.push(if corrupt { MSG_CORRUPT } else { 0 });
+            msg.extend_from_slice(&layer.to_le_bytes());
+            msg.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+            for id in &ids {
+                msg.extend_from_slice(&id.to_le_bytes());
+            }
+            lock(&self.held).push_back((seq, payload));
+        }
+        msg.extend_from_slice(header);
         let mut guard = self.writer.lock().await;
         let Some(wr) = guard.as_mut() else { return Err(self.state.err("link closed")) };
-        let mut msg = payload.len().to_le_bytes().to_vec();
-        msg.extend_from_slice(header);
-        if payload.is_empty() {
-            return self.write(wr, K_MSG, &msg).await;
-        }
-        let (Some(pool), Some(transport)) = (&self.pool, self.transport.upgrade()) else {
-            return Err(Error::Unsupported { backend: "cuda-ipc".into(), what: "payloads from the accepting side".into() });
-        };
-        // Abandoning the exchange midway (the transfer's deadline drops this future) must not leave the
-        // peer waiting for a report: the link fails instead.
-        let mut exchange = self.state.torn_guard();
-        let (tx, rx) = oneshot::channel();
-        *lock(&self.write_to) = Some(tx);
-        self.write(wr, K_MSG, &msg).await?;
-        let to = rx.await.map_err(|_| self.state.err("link closed before the receiver named the destination"))?;
-        if to.discard {
-            exchange.disarm();
-            return Ok(());
-        }
-        let copied = transport.copy(pool, payload, &to);
-        let mut report = vec![u8::from(copied.is_ok())];
-        if let Err(e) = &copied {
-            report.extend_from_slice(e.to_string().as_bytes());
-            report.truncate(1024);
-        }
-        self.write(wr, K_WRITTEN, &report).await?;
-        exchange.disarm();
-        copied
+        self.write(wr, K_MSG, &msg).await
     }
 
-    /// A control message from the receiving side (destination names).
+    /// A control message from the receiving side (acknowledgements).
     async fn reply(&self, kind: u8, body: &[u8]) -> Result<()> {
         let mut guard = self.writer.lock().await;
         let Some(wr) = guard.as_mut() else { return Err(self.state.err("link closed")) };
@@ -438,7 +627,7 @@ impl Link for IpcLink {
     }
 
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>> {
-        Box::pin(self.state.guarded(async move { self.send_message(&header, &payload).await }))
+        Box::pin(self.state.guarded(async move { self.send_message(&header, payload).await }))
     }
 
     fn close(&self) {
@@ -453,10 +642,19 @@ struct Reader {
     transport: Weak<CudaIpcTransport>,
 }
 
+/// Whether `rd` holds a whole control message already (reading it would not wait).
+fn message_buffered(rd: &BufReader<OwnedReadHalf>) -> bool {
+    let b = rd.buffer();
+    b.len() >= 5 && b.len() - 5 >= u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")) as usize
+}
+
 impl Reader {
-    async fn run(self, mut rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
+    async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
-        let mut pending: Option<u64> = None;
+        let mut rd = BufReader::with_capacity(4 * MAX_MESSAGE, rd);
+        // Chunks announced back to back are pulled as one batch: the reader collects the messages
+        // already buffered (up to PULL_BATCH) before it enqueues.
+        let mut batch: Vec<PullReq> = Vec::new();
         let natural = loop {
             let msg = tokio::select! {
                 m = read_message(&mut rd) => m,
@@ -466,20 +664,26 @@ impl Reader {
                 Ok(m) => m,
                 Err(e) => break e.to_string(),
             };
-            if let Err(reason) = self.one(kind, &body, &dyn_link, &mut pending).await {
+            // Not raced against the close: a payload the inbox took must reach its pull (or its report).
+            if let Err(reason) = self.one(kind, &body, &dyn_link, &mut batch).await {
+                break reason;
+            }
+            if !batch.is_empty()
+                && (batch.len() >= PULL_BATCH || !message_buffered(&rd))
+                && let Err(reason) = self.flush(&mut batch).await
+            {
                 break reason;
             }
         };
-        if let Some(token) = pending.take() {
-            // The sender writes into our blocks itself: if it is alive it may be mid-copy. Its copy of
-            // one chunk (one kernel, at most MAX_CHUNK_BLOCKS blocks) ends within milliseconds, so the
-            // blocks stay claimed for a grace period before they can be reused.
-            tokio::time::sleep(WRITE_GRACE).await;
-            self.inbox.on_payload(&dyn_link, token, Err(format!("link closed before the payload was written: {natural}")));
+        for r in batch.drain(..) {
+            self.inbox.on_payload(&dyn_link, r.token, Err(format!("link closed before the pull started: {natural}")));
         }
         self.link.state.fail(natural);
         let how = closed.borrow().clone();
-        lock(&self.link.write_to).take();
+        // Pulls already enqueued finish (their kernels cannot be recalled) and are reported first.
+        let mut in_flight = self.link.in_flight.subscribe();
+        let _ = in_flight.wait_for(|f| f.running == 0).await;
+        lock(&self.link.held).clear();
         if let Some(t) = self.transport.upgrade() {
             lock(&t.links).remove(&self.link.id);
         }
@@ -492,69 +696,74 @@ impl Reader {
         }
     }
 
-    async fn one(&self, kind: u8, body: &[u8], link: &Arc<dyn Link>, pending: &mut Option<u64>) -> std::result::Result<(), String> {
-        let sender_side = self.link.pool.is_some();
+    /// Enqueues the collected chunks as one pull (waiting for a free slot).
+    async fn flush(&self, batch: &mut Vec<PullReq>) -> std::result::Result<(), String> {
+        let (Some(t), Some(pool)) = (self.transport.upgrade(), self.link.pool.as_ref()) else {
+            return Err("transport shut down".into());
+        };
+        let Ok(permit) = Arc::clone(&t.slots).acquire_owned().await else {
+            return Err("transport shut down".into());
+        };
+        t.start_pull(&self.link, pool, std::mem::take(batch), permit)
+    }
+
+    async fn one(&self, kind: u8, body: &[u8], link: &Arc<dyn Link>, batch: &mut Vec<PullReq>) -> std::result::Result<(), String> {
+        let receiver_side = self.link.pool.is_some();
         match kind {
             K_MSG => {
                 let mut r = Cursor { buf: body };
                 let payload_len = r.u64()?;
-                if pending.is_some() {
-                    return Err("a message while a payload is being written".into());
+                if payload_len == 0 {
+                    // Control frames come in order with the chunks around them: pull what came first.
+                    if !batch.is_empty() {
+                        self.flush(batch).await?;
+                    }
+                    return match self.inbox.on_message(link, r.buf, 0) {
+                        Delivery::CloseLink(reason) => Err(reason),
+                        Delivery::Discard => Ok(()),
+                        Delivery::Into { token, .. } => {
+                            self.inbox.on_payload(link, token, Ok(Landed::default()));
+                            Ok(())
+                        }
+                    };
                 }
-                if payload_len > 0 && sender_side {
+                if !receiver_side {
                     return Err("payload from the accepting side".into());
                 }
+                let (seq, flags, src_layer, n) = (r.u64()?, r.u8()?, r.u32()?, r.u32()?);
+                if n == 0 || n > crate::MAX_CHUNK_BLOCKS {
+                    return Err(format!("a payload of {n} blocks"));
+                }
+                let src_ids = (0..n).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>()?;
+                let Some(t) = self.transport.upgrade() else { return Err("transport shut down".into()) };
                 match self.inbox.on_message(link, r.buf, payload_len) {
                     Delivery::CloseLink(reason) => Err(reason),
-                    Delivery::Discard if payload_len > 0 => {
-                        self.link.reply(K_WRITE_TO, &[0]).await.map_err(|e| e.to_string())
-                    }
-                    Delivery::Discard => Ok(()),
-                    Delivery::Into { iovs, token } => {
-                        let total: u64 = iovs.iter().map(|i| i.len as u64).sum();
-                        let located = self.transport.upgrade().and_then(|t| t.memory.blocks_of(&iovs));
-                        let Some((layer, ids)) = located.filter(|_| total == payload_len) else {
-                            self.inbox.on_payload(link, token, Err("the destination is not whole blocks of one layer".into()));
-                            return Err("unusable destination".into());
-                        };
-                        let mut out = vec![1u8];
-                        out.extend_from_slice(&layer.to_le_bytes());
-                        out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
-                        for id in &ids {
-                            out.extend_from_slice(&id.to_le_bytes());
+                    Delivery::Discard => {
+                        let mut idle = false;
+                        self.link.in_flight.send_modify(|f| {
+                            f.last_seq = seq;
+                            idle = f.running == 0;
+                        });
+                        if idle && batch.is_empty() {
+                            self.link.reply(K_PULLED, &seq.to_le_bytes()).await.map_err(|e| e.to_string())?;
                         }
-                        *pending = Some(token);
-                        self.link.reply(K_WRITE_TO, &out).await.map_err(|e| e.to_string())
-                    }
-                }
-            }
-            K_WRITE_TO if sender_side => {
-                let mut r = Cursor { buf: body };
-                let to = if r.u8()? == 0 {
-                    WriteTo { discard: true, layer: 0, ids: Vec::new() }
-                } else {
-                    let (layer, n) = (r.u32()?, r.u32()?);
-                    if n as usize > crate::MAX_CHUNK_BLOCKS as usize {
-                        return Err(format!("{n} destination blocks exceed a chunk"));
-                    }
-                    let ids = (0..n).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>()?;
-                    WriteTo { discard: false, layer, ids }
-                };
-                match lock(&self.link.write_to).take() {
-                    Some(tx) => {
-                        let _ = tx.send(to);
                         Ok(())
                     }
-                    None => Err("a destination nobody asked for".into()),
+                    Delivery::Into { iovs, token } => {
+                        let total: u64 = iovs.iter().map(|i| i.len as u64).sum();
+                        let located = t.memory.blocks_of(&iovs).filter(|(_, ids)| total == payload_len && ids.len() == n as usize);
+                        let Some((dst_layer, dst_ids)) = located else {
+                            self.inbox.on_payload(link, token, Err("the destination is not the payload's blocks of one layer".into()));
+                            return Err("unusable destination".into());
+                        };
+                        batch.push(PullReq { token, seq, src_layer, src_ids, dst_layer, dst_ids, corrupt: flags & MSG_CORRUPT != 0 });
+                        Ok(())
+                    }
                 }
             }
-            K_WRITTEN if !sender_side => {
-                let token = pending.take().ok_or("a payload report without a payload")?;
-                let result = match body.first() {
-                    Some(1) => Ok(()),
-                    _ => Err(format!("the sender could not write the payload: {}", String::from_utf8_lossy(body.get(1..).unwrap_or(&[])))),
-                };
-                self.inbox.on_payload(link, token, result);
+            K_PULLED if !receiver_side => {
+                let seq = Cursor { buf: body }.u64()?;
+                lock(&self.link.held).retain(|(s, _)| *s > seq);
                 Ok(())
             }
             k => Err(format!("unexpected cuda-ipc message {k}")),
@@ -604,9 +813,6 @@ impl Cursor<'_> {
     }
     fn u8(&mut self) -> std::result::Result<u8, String> {
         Ok(self.take::<1>()?[0])
-    }
-    fn u16(&mut self) -> std::result::Result<u16, String> {
-        Ok(u16::from_le_bytes(self.take()?))
     }
     fn u32(&mut self) -> std::result::Result<u32, String> {
         Ok(u32::from_le_bytes(self.take()?))

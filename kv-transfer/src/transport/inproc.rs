@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use crate::core::lock;
 use crate::error::{Error, Result};
 use crate::memory::{Iov, MemoryKind};
-use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 #[derive(Default)]
 struct FabricInner {
@@ -230,7 +230,7 @@ impl Link for InprocLink {
                         return Err(self.err("receiver could not take the payload"));
                     }
                     scatter_copy(payload.iovs(), &iovs);
-                    node.inbox.on_payload(&other_dyn, token, Ok(()));
+                    node.inbox.on_payload(&other_dyn, token, Ok(Landed::default()));
                     Ok(())
                 }
             }

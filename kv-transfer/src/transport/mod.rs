@@ -110,7 +110,8 @@ pub trait Link: Send + Sync {
     fn id(&self) -> u64;
     /// The peer, for error messages.
     fn peer(&self) -> &str;
-    /// Sends one message; resolves once the payload memory is no longer read.
+    /// Sends one message; resolves once the payload memory is no longer read, or once the transport
+    /// keeps the [`Payload`] (and so the claim on its memory) until it is.
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>>;
     /// Closes the link; idempotent. Pending and later sends fail.
     fn close(&self);
@@ -133,12 +134,23 @@ pub enum Delivery {
     CloseLink(String),
 }
 
+/// How a payload landed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Landed {
+    /// The checksum of the destination bytes as they are after the landing, when the transport
+    /// computed it itself over the destination (a device transport that runs the receiver's
+    /// verification pass behind its copy); `None` leaves that pass to the connector.
+    pub checksum: Option<u64>,
+}
+
 /// The receiving end a transport reports to (implemented by the connector core).
 pub trait Inbox: Send + Sync {
     /// A message arrived on `link`.
     fn on_message(&self, link: &Arc<dyn Link>, header: &[u8], payload_len: u64) -> Delivery;
-    /// The payload of a `Delivery::Into` was written (`Ok`) or could not be (`Err`).
-    fn on_payload(&self, link: &Arc<dyn Link>, token: u64, result: std::result::Result<(), String>);
+    /// The payload of a `Delivery::Into` was written (`Ok`) or could not be (`Err`). Payloads of one
+    /// link are reported in the order their messages were delivered; a link may have several
+    /// payloads landing at once.
+    fn on_payload(&self, link: &Arc<dyn Link>, token: u64, result: std::result::Result<Landed, String>);
     /// The link failed; no more callbacks for it follow.
     fn on_link_closed(&self, link: &Arc<dyn Link>, reason: String);
 }

@@ -53,7 +53,7 @@ use crate::device::{Blocks, DeviceKv};
 use crate::error::{Error, Result};
 use crate::memory::{Iov, KvMemory, MemoryKind};
 use crate::transport::link_state::{Closed, LinkState};
-use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 mod ffi;
 mod wire;
@@ -793,7 +793,7 @@ impl Reader {
                 Delivery::CloseLink(reason) => Err(reason),
                 Delivery::Discard => Ok(()),
                 Delivery::Into { token, .. } => {
-                    self.inbox.on_payload(link, token, Ok(()));
+                    self.inbox.on_payload(link, token, Ok(Landed::default()));
                     Ok(())
                 }
             },
@@ -819,7 +819,7 @@ impl Reader {
                     Delivery::Into { iovs, token } => {
                         match self.receive(rd, closed, &gpu, payload_len, &iovs).await {
                             Ok(()) => {
-                                self.inbox.on_payload(link, token, Ok(()));
+                                self.inbox.on_payload(link, token, Ok(Landed::default()));
                                 Ok(())
                             }
                             Err(Failure::Payload(reason)) => {

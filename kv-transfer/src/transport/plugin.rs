@@ -18,7 +18,7 @@ use crate::core::lock;
 use crate::error::{Error, Result};
 use crate::frame::MAX_HEADER;
 use crate::memory::{Iov, MemoryKind};
-use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 /// ABI version this host speaks (`TANDEM_KV_ABI_VERSION`).
 pub const ABI_VERSION: u32 = 1;
@@ -470,7 +470,7 @@ unsafe extern "C" fn host_on_payload(ctx: *mut c_void, link: u64, token: u64, st
         // SAFETY: the plugin passes back the ctx it was given.
         let h = unsafe { host(ctx) };
         let l: Arc<dyn Link> = h.link(link);
-        let result = if status == OK { Ok(()) } else { Err(format!("plugin reported status {status}")) };
+        let result = if status == OK { Ok(Landed::default()) } else { Err(format!("plugin reported status {status}")) };
         h.inbox.on_payload(&l, token, result);
     };
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));

@@ -41,7 +41,7 @@ use crate::error::{Error, Result};
 use crate::frame::{Frame, PREFIX_LEN};
 use crate::memory::MemoryKind;
 use crate::transport::link_state::{Closed, LinkState};
-use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 /// What an accepted connection may hold, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -508,7 +508,7 @@ impl Reader {
                     }
                     r
                 };
-                self.inbox.on_payload(link, token, result.clone());
+                self.inbox.on_payload(link, token, result.clone().map(|()| Landed::default()));
                 result
             }
         }
