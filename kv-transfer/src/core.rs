@@ -353,6 +353,7 @@ impl Core {
                 self.counters.bytes_received.fetch_add(t.bytes, Ordering::Relaxed);
                 self.counters.last_recv_bps.store(stats.bytes_per_sec() as u64, Ordering::Relaxed);
                 tracing::debug!(id, bytes = t.bytes, mb_per_s = stats.bytes_per_sec() / 1e6, "KV transfer received");
+                crate::transport::kv_trace!("rx {id:x} complete");
                 TransferState::Complete(stats)
             }
             Err(e) => {
@@ -553,6 +554,7 @@ impl Core {
             t.next_layer += 1;
         }
         t.pending.push_back(h);
+        crate::transport::kv_trace!("rx {id:x} layer {} block {} announced", h.layer, h.block_start);
         Delivery::Into { iovs, token: id }
     }
 
@@ -598,6 +600,7 @@ impl Core {
             let num_layers = self.memory.geometry().num_layers();
             let Some(t) = rx.transfers.get_mut(&id) else { return };
             t.pending.pop_front();
+            crate::transport::kv_trace!("rx {id:x} layer {} block {} landed", h.layer, h.block_start);
             if t.doomed.is_some() {
                 if t.pending.is_empty() {
                     let e = t.doomed.take().expect("checked");
@@ -638,6 +641,7 @@ impl Core {
         binding: u64,
         timeout: Duration,
     ) -> Result<SendHandle> {
+        crate::transport::kv_trace!("tx {:x} start ({} blocks)", desc.id, src_blocks.len());
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Shutdown);
         }
@@ -985,9 +989,13 @@ impl SendJob {
                     .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
                     .collect();
                 let sums = core.chunk_checksums(&chunks, self.claim.blocks())?;
-                for (&(l, first, count), checksum) in chunks.iter().zip(sums) {
+                crate::transport::kv_trace!("tx {:x} layers {layer}..{end} checksummed ({} chunks)", desc.id, chunks.len());
+                // The group's chunks go to the transport at once (the pacing test hook sends them
+                // one by one, waiting before each).
+                let delay = crate::transport::chunk_delay_from_env();
+                let mut batch = Vec::with_capacity(chunks.len());
+                for (i, (&(l, first, count), checksum)) in chunks.iter().zip(sums).enumerate() {
                     let blocks = &self.claim.blocks()[first..first + count];
-                    let iovs = memory.iovs(l, blocks);
                     let header = ChunkHeader {
                         id: desc.id,
                         layer: l,
@@ -996,6 +1004,11 @@ impl SendJob {
                         byte_len: (count * bb) as u64,
                         checksum,
                     };
+                    let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
+                    batch.push((Frame::Chunk(header).encode(), Payload::new(memory.iovs(l, blocks), hold)));
+                    if delay.is_none() && i + 1 < chunks.len() {
+                        continue;
+                    }
                     if *cancel.borrow() {
                         return Err(cancelled);
                     }
@@ -1004,22 +1017,23 @@ impl SendJob {
                         Ok(verdict) => return Err(early(desc.id, Ok(verdict))),
                         Err(oneshot::error::TryRecvError::Closed) => return Err(Error::Shutdown),
                     }
-                    if let Some(delay) = crate::transport::chunk_delay_from_env() {
+                    if let Some(delay) = delay {
                         tokio::select! {
                             _ = tokio::time::sleep(delay) => {}
                             _ = cancel.wait_for(|c| *c) => return Err(cancelled),
                         }
                     }
-                    let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
-                    link.send(Frame::Chunk(header).encode(), Payload::new(iovs, hold)).await?;
-                    if l == 0 && first == 0 {
+                    link.send_batch(std::mem::take(&mut batch)).await?;
+                    crate::transport::kv_trace!("tx {:x} sent through layer {l} block {first}", desc.id);
+                    if layer == 0 && (delay.is_none() || i == 0) {
                         tracing::debug!(id = desc.id, peer = link.peer(), "KV transfer: first chunk sent");
                     }
-                    self.progress.send_modify(|p| p.bytes += header.byte_len);
-                    if first + count == n {
-                        self.progress.send_modify(|p| p.layers = l + 1);
-                    }
                 }
+                let sent: u64 = chunks.iter().map(|&(_, _, count)| (count * bb) as u64).sum();
+                self.progress.send_modify(|p| {
+                    p.bytes += sent;
+                    p.layers = end;
+                });
                 layer = end;
                 group = (group * 2).min(MAX_GROUP_LAYERS);
             }

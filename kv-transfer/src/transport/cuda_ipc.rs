@@ -158,6 +158,7 @@ impl Pulls {
     /// it to the sender.
     fn finish(&self, job: Job) {
         let result = job.pull.wait(&self.device);
+        super::kv_trace!("ipc batch of {} done", job.tokens.len());
         let dyn_link: Arc<dyn Link> = Arc::clone(&job.link) as Arc<dyn Link>;
         let failed = result.is_err();
         match result {
@@ -429,6 +430,7 @@ impl CudaIpcTransport {
             }
         };
         let seq = batch.last().map_or(0, |r| r.seq);
+        super::kv_trace!("ipc batch of {} enqueued", batch.len());
         *lock(&self.pulls.running) += 1;
         link.in_flight.send_modify(|f| {
             f.running += 1;
@@ -576,9 +578,9 @@ impl IpcLink {
         Ok(())
     }
 
-    /// One message with its payload (sender side): where the payload's blocks lie, then the header.
-    /// Returns once it is written; the payload is held until the receiver acknowledges the pull.
-    async fn send_message(&self, header: &[u8], payload: Payload) -> Result<()> {
+    /// The `K_MSG` body of one message (sender side): with a payload, where its blocks lie, then the
+    /// header. The payload is held until the receiver acknowledges the pull.
+    fn encode(&self, header: &[u8], payload: Payload) -> Result<Vec<u8>> {
         let mut msg = payload.len().to_le_bytes().to_vec();
         if !payload.is_empty() {
             let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
@@ -604,9 +606,27 @@ impl IpcLink {
             lock(&self.held).push_back((seq, payload));
         }
         msg.extend_from_slice(header);
+        Ok(msg)
+    }
+
+    /// Messages (sender side), written at once; returns once they are written.
+    async fn send_messages(&self, messages: Vec<(Vec<u8>, Payload)>) -> Result<()> {
+        let mut out = Vec::new();
+        for (header, payload) in messages {
+            let body = self.encode(&header, payload)?;
+            if body.len() > MAX_MESSAGE {
+                return Err(Error::Invalid(format!("a cuda-ipc control message of {} bytes", body.len())));
+            }
+            out.push(K_MSG);
+            out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            out.extend_from_slice(&body);
+        }
         let mut guard = self.writer.lock().await;
         let Some(wr) = guard.as_mut() else { return Err(self.state.err("link closed")) };
-        self.write(wr, K_MSG, &msg).await
+        let mut torn = self.state.torn_guard();
+        wr.write_all(&out).await.map_err(|e| self.state.err(e.to_string()))?;
+        torn.disarm();
+        Ok(())
     }
 
     /// A control message from the receiving side (acknowledgements).
@@ -627,7 +647,11 @@ impl Link for IpcLink {
     }
 
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>> {
-        Box::pin(self.state.guarded(async move { self.send_message(&header, payload).await }))
+        Box::pin(self.state.guarded(async move { self.send_messages(vec![(header, payload)]).await }))
+    }
+
+    fn send_batch(&self, messages: Vec<(Vec<u8>, Payload)>) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.state.guarded(async move { self.send_messages(messages).await }))
     }
 
     fn close(&self) {

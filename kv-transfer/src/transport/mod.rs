@@ -47,6 +47,24 @@ pub(crate) fn chunk_delay_from_env() -> Option<std::time::Duration> {
     })
 }
 
+/// The transfer timeline diagnostic, `TANDEM_KV_TRACE=1`: each step of a transfer (groups
+/// checksummed, chunks sent, announced, pulled, landed) printed to stderr with microseconds since
+/// the first step, for finding where a transfer's time goes. Read once per process.
+pub(crate) fn trace(what: std::fmt::Arguments<'_>) {
+    static START: std::sync::OnceLock<Option<std::time::Instant>> = std::sync::OnceLock::new();
+    if let Some(t0) = START.get_or_init(|| std::env::var_os("TANDEM_KV_TRACE").map(|_| std::time::Instant::now())) {
+        eprintln!("kv-trace {:>10.1} us  {what}", t0.elapsed().as_secs_f64() * 1e6);
+    }
+}
+
+/// `trace!(...)`: [`trace`] with `format!` arguments.
+macro_rules! kv_trace {
+    ($($arg:tt)*) => {
+        $crate::transport::trace(format_args!($($arg)*))
+    };
+}
+pub(crate) use kv_trace;
+
 /// A boxed, sendable future (the transport traits stay object-safe without extra crates).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -113,6 +131,16 @@ pub trait Link: Send + Sync {
     /// Sends one message; resolves once the payload memory is no longer read, or once the transport
     /// keeps the [`Payload`] (and so the claim on its memory) until it is.
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>>;
+    /// Sends several messages in order, as `send` one after another would (a transport may write
+    /// them at once); resolves when the last one's `send` would.
+    fn send_batch(&self, messages: Vec<(Vec<u8>, Payload)>) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            for (header, payload) in messages {
+                self.send(header, payload).await?;
+            }
+            Ok(())
+        })
+    }
     /// Closes the link; idempotent. Pending and later sends fail.
     fn close(&self);
 }
