@@ -532,6 +532,9 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
         m.sent_ok,
         m.last_send_bytes_per_sec as f64 / 1e9
     );
+    for line in tandem_kv_transfer::trace_dump() {
+        eprintln!("{line}");
+    }
     Ok(())
 }
 

@@ -961,6 +961,7 @@ impl SendJob {
             binding: self.binding,
         };
         link.send(start.encode(), Payload::empty()).await?;
+        crate::transport::kv_trace!("tx {:x} start sent", desc.id);
 
         let n = self.claim.blocks().len();
         let bb = memory.geometry().block_bytes();
@@ -988,6 +989,7 @@ impl SendJob {
                 let chunks: Vec<(u32, usize, usize)> = (layer..end)
                     .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
                     .collect();
+                crate::transport::kv_trace!("tx {:x} layers {layer}..{end} ready", desc.id);
                 let sums = core.chunk_checksums(&chunks, self.claim.blocks())?;
                 crate::transport::kv_trace!("tx {:x} layers {layer}..{end} checksummed ({} chunks)", desc.id, chunks.len());
                 // The group's chunks go to the transport at once (the pacing test hook sends them

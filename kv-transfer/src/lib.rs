@@ -34,3 +34,4 @@ pub use geometry::{DType, Geometry, GeometrySpec, Layout};
 pub use handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};
 pub use memory::{DeviceAllocation, Iov, KvMemory, MemoryKind};
 pub use transport::inproc::Fabric;
+pub use transport::trace_dump;

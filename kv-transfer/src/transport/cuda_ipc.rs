@@ -422,6 +422,7 @@ impl CudaIpcTransport {
         }
         let corrupt = batch.iter().position(|r| r.corrupt);
         let slot = lock(&self.pulls.free_slots).pop().ok_or("no free pull slot")?;
+        super::kv_trace!("ipc batch of {} enqueueing", batch.len());
         let pull = match self.device.pull(slot, &chunks, bb, corrupt) {
             Ok(p) => p,
             Err(e) => {

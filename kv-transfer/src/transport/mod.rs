@@ -48,13 +48,30 @@ pub(crate) fn chunk_delay_from_env() -> Option<std::time::Duration> {
 }
 
 /// The transfer timeline diagnostic, `TANDEM_KV_TRACE=1`: each step of a transfer (groups
-/// checksummed, chunks sent, announced, pulled, landed) printed to stderr with microseconds since
-/// the first step, for finding where a transfer's time goes. Read once per process.
+/// checksummed, chunks sent, announced, pulled, landed) recorded in memory with microseconds since
+/// the first step, printed by [`crate::trace_dump`] (`tandem bench kv` does at its end), for finding
+/// where a transfer's time goes without the cost of printing while it runs. Read once per process.
 pub(crate) fn trace(what: std::fmt::Arguments<'_>) {
-    static START: std::sync::OnceLock<Option<std::time::Instant>> = std::sync::OnceLock::new();
-    if let Some(t0) = START.get_or_init(|| std::env::var_os("TANDEM_KV_TRACE").map(|_| std::time::Instant::now())) {
-        eprintln!("kv-trace {:>10.1} us  {what}", t0.elapsed().as_secs_f64() * 1e6);
+    if let Some(t0) = trace_start() {
+        let at = t0.elapsed().as_secs_f64() * 1e6;
+        let line = format!("kv-trace {at:>10.1} us  {what}");
+        crate::core::lock(trace_lines()).push(line);
     }
+}
+
+fn trace_start() -> Option<&'static std::time::Instant> {
+    static START: std::sync::OnceLock<Option<std::time::Instant>> = std::sync::OnceLock::new();
+    START.get_or_init(|| std::env::var_os("TANDEM_KV_TRACE").map(|_| std::time::Instant::now())).as_ref()
+}
+
+fn trace_lines() -> &'static std::sync::Mutex<Vec<String>> {
+    static LINES: std::sync::OnceLock<std::sync::Mutex<Vec<String>>> = std::sync::OnceLock::new();
+    LINES.get_or_init(std::sync::Mutex::default)
+}
+
+/// The timeline recorded under `TANDEM_KV_TRACE` so far (emptied); nothing without it.
+pub fn trace_dump() -> Vec<String> {
+    std::mem::take(&mut *crate::core::lock(trace_lines()))
 }
 
 /// `trace!(...)`: [`trace`] with `format!` arguments.
