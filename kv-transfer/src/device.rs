@@ -286,6 +286,9 @@ impl DeviceKv {
         }
         let p = guard.as_mut().expect("made above");
         let s = Arc::clone(&p.stream);
+        // The raw driver calls below act on the thread's current context: make it the pool's GPU's
+        // (a thread may have worked for a connector of another GPU just before).
+        s.context().bind_to_thread().map_err(err("binding the context"))?;
         let segments: Vec<KvSegment> = chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
         let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
         let ids_stride = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
@@ -479,7 +482,8 @@ impl Pinned {
     fn new(ctx: &Arc<CudaContext>, bytes: usize, table_at: usize, sums_at: usize) -> Result<Pinned> {
         ctx.bind_to_thread().map_err(err("binding the context"))?;
         // SAFETY: a plain page-locked allocation of `bytes`, freed once in `Drop`.
-        let ptr = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(err("allocating pinned host memory"))?;
+        let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+        let ptr = unsafe { cudarc::driver::result::malloc_host(bytes, flags) }.map_err(err("allocating pinned host memory"))?;
         // SAFETY: fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
         Ok(Pinned { ptr: ptr as usize, table_at, sums_at, ctx: Arc::clone(ctx) })
