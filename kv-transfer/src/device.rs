@@ -98,7 +98,16 @@ pub(crate) struct DeviceKv {
     pull: Mutex<Option<Pull>>,
 }
 
+/// What a checksum call stages through page-locked memory at most (ids, table words, sums); a
+/// larger call goes through pageable memory.
+const SUM_STAGING_IDS: usize = 64 * 1024;
+const SUM_STAGING_TABLE: usize = 3 * 1024 + 1;
+const SUM_STAGING_SUMS: usize = 1024;
+
 struct Inner {
+    // Field order is drop order: the pinned staging goes first (it waits for the context's work).
+    /// Page-locked staging of checksum calls (made on first use).
+    staging: Option<Pinned>,
     stream: Arc<CudaStream>,
     /// Block ids of one call: every chunk's source list, then (for a copy) the destination list
     /// (grown on demand, reused: a call allocates nothing in the common case).
@@ -136,7 +145,7 @@ impl DeviceKv {
         let ids = stream.alloc_zeros::<u32>(2 * crate::MAX_CHUNK_BLOCKS as usize).map_err(|e| gpu_err("allocating block ids", e))?;
         let sum = stream.alloc_zeros::<u64>(1).map_err(|e| gpu_err("allocating the checksum", e))?;
         let table = stream.alloc_zeros::<u64>(64).map_err(|e| gpu_err("allocating the segment table", e))?;
-        Ok(DeviceKv { gpu, inner: Mutex::new(Inner { stream, ids, table, sum }), pull: Mutex::new(None) })
+        Ok(DeviceKv { gpu, inner: Mutex::new(Inner { staging: None, stream, ids, table, sum }), pull: Mutex::new(None) })
     }
 
     /// The CUDA context of the transfer stream.
@@ -173,8 +182,34 @@ impl DeviceKv {
         if chunks.len() > inner.sum.len() {
             inner.sum = s.alloc_zeros::<u64>(chunks.len().next_power_of_two()).map_err(err("allocating checksums"))?;
         }
-        s.memcpy_htod(&ids, &mut inner.ids.slice_mut(0..ids.len())).map_err(err("uploading block ids"))?;
-        s.memcpy_htod(&table, &mut inner.table.slice_mut(0..table.len())).map_err(err("uploading the segment table"))?;
+        // Through page-locked staging when it fits (pageable copies stage through the driver and
+        // cost tens of microseconds each); the download below waits for the kernel either way.
+        let pinned = ids.len() <= SUM_STAGING_IDS && table.len() <= SUM_STAGING_TABLE && chunks.len() <= SUM_STAGING_SUMS;
+        if pinned {
+            if inner.staging.is_none() {
+                let (ids_bytes, table_bytes) = (SUM_STAGING_IDS * 4, SUM_STAGING_TABLE * 8);
+                inner.staging = Some(Pinned::new(s.context(), ids_bytes + table_bytes + SUM_STAGING_SUMS * 8, ids_bytes, ids_bytes + table_bytes)?);
+            }
+            let st = inner.staging.as_ref().expect("made above");
+            // SAFETY: the staging is this call's alone (`inner` is locked, and every call waits for
+            // its copies before returning); the lengths fit its regions (checked above).
+            let (staged_ids, staged_table) = unsafe {
+                (std::slice::from_raw_parts_mut(st.ids(), ids.len()), std::slice::from_raw_parts_mut(st.table(), table.len()))
+            };
+            staged_ids.copy_from_slice(&ids);
+            staged_table.copy_from_slice(&table);
+            s.context().bind_to_thread().map_err(err("binding the context"))?;
+            // SAFETY: pinned sources alive until the synchronisation below; device regions of `inner`.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(addr_of(&inner.ids.slice(0..ids.len()), &s), &staged_ids[..], s.cu_stream())
+                    .map_err(err("uploading block ids"))?;
+                cudarc::driver::result::memcpy_htod_async(addr_of(&inner.table.slice(0..table.len()), &s), &staged_table[..], s.cu_stream())
+                    .map_err(err("uploading the segment table"))?;
+            }
+        } else {
+            s.memcpy_htod(&ids, &mut inner.ids.slice_mut(0..ids.len())).map_err(err("uploading block ids"))?;
+            s.memcpy_htod(&table, &mut inner.table.slice_mut(0..table.len())).map_err(err("uploading the segment table"))?;
+        }
         s.memset_zeros(&mut inner.sum.slice_mut(0..chunks.len())).map_err(err("zeroing the checksums"))?;
         let op = KvSegments {
             segments: &segments,
@@ -192,8 +227,22 @@ impl DeviceKv {
         // synchronised below.
         unsafe { kv_copy_segments(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV checksums", e))?;
         let mut host = vec![0u64; chunks.len()];
-        s.memcpy_dtoh(&inner.sum.slice(0..chunks.len()), &mut host).map_err(err("reading the checksums"))?;
-        s.synchronize().map_err(err("waiting for the KV checksums"))?;
+        match inner.staging.as_ref().filter(|_| pinned) {
+            Some(st) => {
+                // SAFETY: the staging's sum region holds `SUM_STAGING_SUMS >= chunks.len()` words, this
+                // call's alone; it is read only after the stream synchronised.
+                let out = unsafe { std::slice::from_raw_parts_mut(st.sums(), chunks.len()) };
+                // SAFETY: `out` is pinned host memory; the source is `inner.sum`'s first words.
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(out, addr_of(&inner.sum.slice(0..chunks.len()), &s), s.cu_stream()) }
+                    .map_err(err("reading the checksums"))?;
+                s.synchronize().map_err(err("waiting for the KV checksums"))?;
+                host.copy_from_slice(out);
+            }
+            None => {
+                s.memcpy_dtoh(&inner.sum.slice(0..chunks.len()), &mut host).map_err(err("reading the checksums"))?;
+                s.synchronize().map_err(err("waiting for the KV checksums"))?;
+            }
+        }
         Ok(chunks.iter().zip(host).map(|(c, sum)| kv_checksum_finish(sum, c.ids.len(), block_bytes as u64)).collect())
     }
 
@@ -340,12 +389,74 @@ impl DeviceKv {
             block_bytes: block_bytes as u64,
             checksums: None,
         };
-        // SAFETY: every source base is a layer of a live mapping (or this process's memory) of the
-        // sender's pool, which the sender keeps claimed until we acknowledge the pull; every
-        // destination is a layer of this connector's pool whose blocks the transfer claims; the
-        // table is `kv_segment_table(segments)`; ids, table and sums live in `p`, whose slot stays
-        // the caller's until the event completed.
-        unsafe { kv_copy_segments(&self.gpu, &s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
+        // The bytes move on the copy engines (one batched call over the chunks' contiguous runs),
+        // which read a peer GPU faster than kernels do and leave the SMs to the verification; where
+        // the driver lacks the batched call, or refuses it, the copy kernel moves them instead.
+        let mut copied = false;
+        if p.engines && let Some(batch_copy) = batch_copy_fn() {
+            let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+            for (src, dst) in chunks {
+                let bb = block_bytes as u64;
+                for (k, (&a, &b)) in src.ids.iter().zip(dst.ids).enumerate() {
+                    let contiguous = k > 0 && a == src.ids[k - 1].wrapping_add(1) && b == dst.ids[k - 1].wrapping_add(1);
+                    if contiguous && let Some(last) = sizes.last_mut() {
+                        *last += block_bytes;
+                    } else {
+                        srcs.push(src.base + u64::from(a) * bb);
+                        dsts.push(dst.base + u64::from(b) * bb);
+                        sizes.push(block_bytes);
+                    }
+                }
+            }
+            // Ids were checked against both arrays' extents on the host before the copy engines
+            // see them (the kernel path checks them on the device).
+            let in_range = chunks.iter().all(|(src, dst)| {
+                src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks)
+            });
+            if in_range {
+                let location = cudarc::driver::sys::CUmemLocation {
+                    type_: cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: self.gpu.ordinal() as i32,
+                };
+                let mut attrs = cudarc::driver::sys::CUmemcpyAttributes {
+                    srcAccessOrder: cudarc::driver::sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                    srcLocHint: location,
+                    dstLocHint: location,
+                    flags: 0,
+                };
+                let mut attr_idx = [0usize];
+                // SAFETY: `dsts[i]`, `srcs[i]`, `sizes[i]` describe whole blocks inside the two pools'
+                // layers (ids checked against both extents just above), valid as for the kernel
+                // below; the arrays live across the call (the driver reads them during it).
+                let r = unsafe {
+                    batch_copy(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        sizes.len(),
+                        &mut attrs,
+                        attr_idx.as_mut_ptr(),
+                        1,
+                        stream,
+                    )
+                };
+                match r.result() {
+                    Ok(()) => copied = true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "KV pull: the copy engines' batched copy failed; copying with kernels from now on");
+                        p.engines = false;
+                    }
+                }
+            }
+        }
+        if !copied {
+            // SAFETY: every source base is a layer of a live mapping (or this process's memory) of
+            // the sender's pool, which the sender keeps claimed until we acknowledge the pull; every
+            // destination is a layer of this connector's pool whose blocks the transfer claims; the
+            // table is `kv_segment_table(segments)`; ids, table and sums live in `p`, whose slot
+            // stays the caller's until the event completed.
+            unsafe { kv_copy_segments(&self.gpu, &s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
+        }
         if let Some(k) = corrupt
             && let Some((_, dst)) = chunks.get(k)
             && let Some(&last) = dst.ids.last()
@@ -378,6 +489,31 @@ impl DeviceKv {
             block_bytes,
         })
     }
+}
+
+/// `cuMemcpyBatchAsync` (CUDA 13 prototype), looked up without panicking where the driver lacks
+/// it; `TANDEM_KV_NO_COPY_ENGINES=1` turns its use off (pulls then copy with kernels).
+type BatchCopy = unsafe extern "C" fn(
+    *mut u64,
+    *mut u64,
+    *mut usize,
+    usize,
+    *mut cudarc::driver::sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    cudarc::driver::sys::CUstream,
+) -> cudarc::driver::sys::CUresult;
+
+fn batch_copy_fn() -> Option<BatchCopy> {
+    static F: OnceLock<Option<BatchCopy>> = OnceLock::new();
+    *F.get_or_init(|| {
+        if std::env::var_os("TANDEM_KV_NO_COPY_ENGINES").is_some() {
+            return None;
+        }
+        // SAFETY: a symbol lookup by name in the loaded driver; `BatchCopy` is the prototype CUDA 13
+        // gives `cuMemcpyBatchAsync_v2` (the function `cuMemcpyBatchAsync` names there).
+        unsafe { cudarc::driver::sys::culib().get::<BatchCopy>(b"cuMemcpyBatchAsync_v2\0").ok().map(|f| *f) }
+    })
 }
 
 /// How many pull batches a connector keeps in flight at most.
@@ -447,6 +583,8 @@ struct Pull {
     table: CudaSlice<u64>,
     sums: CudaSlice<u64>,
     events: Vec<cudarc::driver::CudaEvent>,
+    /// Whether pulls still try the copy engines (off after the driver refused once).
+    engines: bool,
 }
 
 impl Pull {
@@ -465,7 +603,7 @@ impl Pull {
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(err("creating events"))?;
         stream.synchronize().map_err(err("preparing the pull stream"))?;
-        Ok(Pull { host, stream, ids, table, sums, events })
+        Ok(Pull { host, stream, ids, table, sums, events, engines: true })
     }
 }
 
