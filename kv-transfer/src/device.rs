@@ -619,8 +619,9 @@ struct Pinned {
 impl Pinned {
     fn new(ctx: &Arc<CudaContext>, bytes: usize, table_at: usize, sums_at: usize) -> Result<Pinned> {
         ctx.bind_to_thread().map_err(err("binding the context"))?;
-        // SAFETY: a plain page-locked allocation of `bytes`, freed once in `Drop`.
+        // Portable: pinned for every context, as a thread may have another GPU's current.
         let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a plain page-locked allocation of `bytes`, freed once in `Drop`.
         let ptr = unsafe { cudarc::driver::result::malloc_host(bytes, flags) }.map_err(err("allocating pinned host memory"))?;
         // SAFETY: fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };

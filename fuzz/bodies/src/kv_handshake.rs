@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tandem_kv_transfer::frame::{AbortCode, ChunkHeader, Frame, PROTOCOL_VERSION, blocks_hash, payload_checksum};
-use tandem_kv_transfer::transport::{BoxFuture, Capabilities, Delivery, Inbox, Link, Payload, Transport};
+use tandem_kv_transfer::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 use tandem_kv_transfer::{
     Connector, ConnectorConfig, DType, Geometry, GeometrySpec, Iov, KvMemory, Layout, RecvHandle, SendHandle,
     TransferDescriptor, TransferState,
@@ -439,7 +439,7 @@ impl World {
     fn land(&mut self, l: usize, ok: bool) {
         let Some(p) = self.links[l].pending.take() else { return };
         let link: Arc<dyn Link> = Arc::clone(&self.links[l].link) as Arc<dyn Link>;
-        let result = if ok { Ok(()) } else { Err("fuzz: payload lost".to_string()) };
+        let result = if ok { Ok(Landed::default()) } else { Err("fuzz: payload lost".to_string()) };
         self.inbox.on_payload(&link, p.token, result);
         if ok && p.checksum_ok {
             let e = &mut self.expected[p.transfer];

@@ -27,8 +27,10 @@ pub mod plugin;
 pub mod tcp;
 
 /// The device backends' integrity test hook, `TANDEM_KV_TEST_CORRUPT_CHUNK=N`: every Nth chunk a
-/// transport of this process moves gets one byte flipped in its destination after the move, so the
-/// receiver's verification must catch it (for tests that drive whole processes).
+/// transport of this process sends gets one byte flipped in its destination after the move and
+/// before the receiver's verification pass (nccl: by the sender after its copy; cuda-ipc: the
+/// sender marks the chunk and the receiver flips it between its copy and its verification), which
+/// must catch it (for tests that drive whole processes).
 pub(crate) fn corrupt_every_from_env() -> Option<u64> {
     std::env::var("TANDEM_KV_TEST_CORRUPT_CHUNK").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0)
 }
