@@ -310,30 +310,24 @@ impl DeviceKv {
         Ok(chunks.iter().zip(host).map(|((src, _), sum)| kv_checksum_finish(sum, src.ids.len(), block_bytes as u64)).collect())
     }
 
-    /// Enqueues one step of a batch of chunks on the asynchronous stream, in slot `slot`, and
-    /// returns without waiting ([`PullEvent::wait`] waits):
-    /// - [`BatchOp::Copy`] (a sender): each chunk's `src` blocks (this connector's pool) are copied
-    ///   into its `dst` blocks (a receiver's pool, mapped) — on the copy engines, one batched call
-    ///   over the contiguous runs, or where the driver refuses it with the copy kernel; `corrupt`
-    ///   names a chunk whose last destination block then gets one byte flipped (the integrity test
-    ///   hook; it waits for the copy).
-    /// - [`BatchOp::Verify`] (a receiver): one launch sums each chunk's `dst` blocks (this
-    ///   connector's pool) as they are; the sums reach host memory with the event.
-    ///
-    /// A slot is the caller's until its `PullEvent` was waited for.
-    pub(crate) fn batch(&self, slot: usize, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize, corrupt: Option<usize>, op: BatchOp) -> Result<PullEvent> {
-        let total: usize = chunks.iter().map(|(_, d)| d.ids.len()).sum();
+    /// Enqueues a receiver's pull of a batch of chunks into pull slot `slot` and returns without
+    /// waiting: for each chunk, `src` blocks (a sender's pool, mapped) are copied into `dst` blocks
+    /// (this connector's own), all in one launch; behind it one verification pass sums each
+    /// chunk's destination blocks as they now are; the sums reach host memory when the slot's
+    /// event completes ([`PullEvent::wait`]). `corrupt` names a chunk whose last destination block
+    /// gets one byte flipped between the two launches (the integrity test hook; it waits for the
+    /// copy). A slot is the caller's until its `PullEvent` was waited for.
+    pub(crate) fn pull(&self, slot: usize, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize, corrupt: Option<usize>) -> Result<PullEvent> {
+        let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
         let bad = chunks.is_empty()
             || chunks.len() > PULL_BATCH
             || slot >= PULL_SLOTS
             || chunks.iter().any(|(s, d)| {
-                d.ids.is_empty()
-                    || (op == BatchOp::Copy && (s.ids.len() != d.ids.len() || s.num_blocks != chunks[0].0.num_blocks))
-                    || d.num_blocks != chunks[0].1.num_blocks
+                s.ids.is_empty() || s.ids.len() != d.ids.len() || s.num_blocks != chunks[0].0.num_blocks || d.num_blocks != chunks[0].1.num_blocks
             })
             || total > PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
         if bad {
-            return Err(Error::Invalid(format!("a batch of {} chunks ({total} blocks) in slot {slot}", chunks.len())));
+            return Err(Error::Invalid(format!("a pull of {} chunks ({total} blocks) into slot {slot}", chunks.len())));
         }
         let mut guard = lock(&self.pull);
         if guard.is_none() {
@@ -344,141 +338,157 @@ impl DeviceKv {
         // The raw driver calls below act on the thread's current context: make it the pool's GPU's
         // (a thread may have worked for a connector of another GPU just before).
         s.context().bind_to_thread().map_err(err("binding the context"))?;
+        let segments: Vec<KvSegment> = chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
+        let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
+        let ids_stride = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
+        let table_stride = 2 * (3 * PULL_BATCH + 1);
+        // SAFETY: slot `slot` is the caller's (see the doc): no copy from this slot's staging is in
+        // flight (the previous user's event completed), and the regions lie inside the pinned
+        // buffer (`PULL_SLOTS` slots of `ids_stride` ids, `table_stride` table words and
+        // `PULL_BATCH` sums).
+        let (staged_ids, staged_table) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(p.host.ids().add(slot * ids_stride), 2 * total),
+                std::slice::from_raw_parts_mut(p.host.table().add(slot * table_stride), table_stride),
+            )
+        };
+        let mut at = 0;
+        for (src, _) in chunks {
+            staged_ids[at..at + src.ids.len()].copy_from_slice(src.ids);
+            at += src.ids.len();
+        }
+        for (_, dst) in chunks {
+            staged_ids[at..at + dst.ids.len()].copy_from_slice(dst.ids);
+            at += dst.ids.len();
+        }
+        let (copy_table, verify_table) = (kv_segment_table(&segments), kv_segment_table(&verify));
+        let tl = copy_table.len();
+        staged_table[..tl].copy_from_slice(&copy_table);
+        staged_table[tl..2 * tl].copy_from_slice(&verify_table);
+        let ids = p.ids.slice(slot * ids_stride..slot * ids_stride + 2 * total);
+        let table = p.table.slice(slot * table_stride..slot * table_stride + 2 * tl);
+        let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
         let stream = s.cu_stream();
-        let dst_num = chunks[0].1.num_blocks;
-        let mut event = PullEvent { event: 0, sums: 0, blocks: Vec::new(), block_bytes };
-        match op {
-            BatchOp::Copy => {
-                let copied = p.engines && self.copy_on_engines(chunks, block_bytes, stream);
-                if !copied {
-                    p.engines = false;
-                    let segments: Vec<KvSegment> =
-                        chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
-                    let staged_ids = chunks.iter().flat_map(|(src, _)| src.ids).chain(chunks.iter().flat_map(|(_, d)| d.ids));
-                    let (ids, table) = Pull::stage(&p.host, (&p.ids, &p.table), slot, &s, staged_ids, &segments)?;
-                    let copy = KvSegments {
-                        segments: &segments,
-                        table,
-                        src_ids: ids.slice(0..total),
-                        src_num_blocks: chunks[0].0.num_blocks,
-                        dst_ids: Some(ids.slice(total..2 * total)),
-                        dst_num_blocks: dst_num,
-                        block_bytes: block_bytes as u64,
-                        checksums: None,
-                    };
-                    // SAFETY: every source base is a layer of this connector's pool whose blocks the
-                    // transfer claims; every destination a layer of a live mapping (or this process's
-                    // memory) of the receiver's pool, whose blocks the receiver named for this
-                    // payload and keeps claimed until it is reported; the table is
-                    // `kv_segment_table(segments)`; ids and table live in `p`, whose slot stays the
-                    // caller's until the event completed.
-                    unsafe { kv_copy_segments(&self.gpu, &s, copy) }.map_err(|e| gpu_err("launching the KV copy", e))?;
-                }
-                if let Some(k) = corrupt
-                    && let Some((_, dst)) = chunks.get(k)
-                    && let Some(&last) = dst.ids.last()
-                {
-                    s.synchronize().map_err(err("waiting for the KV copy"))?;
-                    flip_byte(dst.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
-                    s.context().bind_to_thread().map_err(err("binding the context"))?;
+        // SAFETY: the staged regions are pinned host memory left untouched until this slot's event
+        // completed (the copies are asynchronous, stream-ordered before the kernels that read them);
+        // the device regions are this slot's.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(addr_of(&ids, &s), &staged_ids[..], stream).map_err(err("uploading block ids"))?;
+            cudarc::driver::result::memcpy_htod_async(addr_of(&table, &s), &staged_table[..2 * tl], stream)
+                .map_err(err("uploading the segment table"))?;
+            cudarc::driver::result::memset_d8_async(addr_of(&sums, &s), 0, 8 * chunks.len(), stream).map_err(err("zeroing the checksums"))?;
+        }
+        let (src_num, dst_num) = (chunks[0].0.num_blocks, chunks[0].1.num_blocks);
+        let copy = KvSegments {
+            segments: &segments,
+            table: table.slice(0..tl),
+            src_ids: ids.slice(0..total),
+            src_num_blocks: src_num,
+            dst_ids: Some(ids.slice(total..2 * total)),
+            dst_num_blocks: dst_num,
+            block_bytes: block_bytes as u64,
+            checksums: None,
+        };
+        // The bytes move on the copy engines (one batched call over the chunks' contiguous runs),
+        // which read a peer GPU faster than kernels do and leave the SMs to the verification; where
+        // the driver lacks the batched call, or refuses it, the copy kernel moves them instead.
+        let mut copied = false;
+        if p.engines && let Some(batch_copy) = batch_copy_fn() {
+            let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+            for (src, dst) in chunks {
+                let bb = block_bytes as u64;
+                for (k, (&a, &b)) in src.ids.iter().zip(dst.ids).enumerate() {
+                    let contiguous = k > 0 && a == src.ids[k - 1].wrapping_add(1) && b == dst.ids[k - 1].wrapping_add(1);
+                    if contiguous && let Some(last) = sizes.last_mut() {
+                        *last += block_bytes;
+                    } else {
+                        srcs.push(src.base + u64::from(a) * bb);
+                        dsts.push(dst.base + u64::from(b) * bb);
+                        sizes.push(block_bytes);
+                    }
                 }
             }
-            BatchOp::Verify => {
-                let verify: Vec<KvSegment> =
-                    chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
-                let (ids, table) = Pull::stage(&p.host, (&p.ids, &p.table), slot, &s, chunks.iter().flat_map(|(_, d)| d.ids), &verify)?;
-                let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
-                // SAFETY: the slot's counters, inside `p.sums`.
-                unsafe { cudarc::driver::result::memset_d8_async(addr_of(&sums, &s), 0, 8 * chunks.len(), stream) }
-                    .map_err(err("zeroing the checksums"))?;
-                let check = KvSegments {
-                    segments: &verify,
-                    table,
-                    src_ids: ids.slice(0..total),
-                    src_num_blocks: dst_num,
-                    dst_ids: None,
-                    dst_num_blocks: 0,
-                    block_bytes: block_bytes as u64,
-                    checksums: Some(p.sums.slice_mut(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len())),
+            // Ids were checked against both arrays' extents on the host before the copy engines
+            // see them (the kernel path checks them on the device).
+            let in_range = chunks.iter().all(|(src, dst)| {
+                src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks)
+            });
+            if in_range {
+                let location = cudarc::driver::sys::CUmemLocation {
+                    type_: cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: self.gpu.ordinal() as i32,
                 };
-                // SAFETY: every base is a layer of this connector's pool whose blocks the transfer
-                // claims (only read); the table is `kv_segment_table(verify)`; ids, table and sums
-                // live in `p`, whose slot stays the caller's until the event completed.
-                unsafe { kv_copy_segments(&self.gpu, &s, check) }.map_err(|e| gpu_err("launching the KV verification", e))?;
-                // SAFETY: the slot's pinned sums stay untouched by the host until the event completed.
-                let out = unsafe { std::slice::from_raw_parts_mut(p.host.sums().add(slot * PULL_BATCH), chunks.len()) };
-                let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
-                // SAFETY: `out` is pinned host memory of the slot (see above), `sums` its device counters.
-                unsafe { cudarc::driver::result::memcpy_dtoh_async(out, addr_of(&sums, &s), stream) }.map_err(err("reading the checksums"))?;
-                event.sums = p.host.sums() as usize + slot * PULL_BATCH * 8;
-                event.blocks = chunks.iter().map(|(_, d)| d.ids.len()).collect();
-            }
-        }
-        p.events[slot].record(&s).map_err(err("recording the batch's event"))?;
-        event.event = p.events[slot].cu_event() as usize;
-        Ok(event)
-    }
-
-    /// Copies the chunks on the copy engines (one `cuMemcpyBatchAsync` over their contiguous runs)
-    /// on `stream`; false when that cannot be used (no such driver call, turned off, an id out of
-    /// range) or the driver refused it, and nothing was enqueued.
-    fn copy_on_engines(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize, stream: cudarc::driver::sys::CUstream) -> bool {
-        let Some(batch_copy) = batch_copy_fn() else { return false };
-        // Ids are checked against both arrays' extents here (the kernel path checks them on the
-        // device).
-        let in_range =
-            chunks.iter().all(|(src, dst)| src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
-        if !in_range {
-            return false;
-        }
-        let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
-        let bb = block_bytes as u64;
-        for (src, dst) in chunks {
-            for (k, (&a, &b)) in src.ids.iter().zip(dst.ids).enumerate() {
-                let contiguous = k > 0 && a == src.ids[k - 1].wrapping_add(1) && b == dst.ids[k - 1].wrapping_add(1);
-                if contiguous && let Some(last) = sizes.last_mut() {
-                    *last += block_bytes;
-                } else {
-                    srcs.push(src.base + u64::from(a) * bb);
-                    dsts.push(dst.base + u64::from(b) * bb);
-                    sizes.push(block_bytes);
+                let mut attrs = cudarc::driver::sys::CUmemcpyAttributes {
+                    srcAccessOrder: cudarc::driver::sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                    srcLocHint: location,
+                    dstLocHint: location,
+                    flags: 0,
+                };
+                let mut attr_idx = [0usize];
+                // SAFETY: `dsts[i]`, `srcs[i]`, `sizes[i]` describe whole blocks inside the two pools'
+                // layers (ids checked against both extents just above), valid as for the kernel
+                // below; the arrays live across the call (the driver reads them during it).
+                let r = unsafe {
+                    batch_copy(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        sizes.len(),
+                        &mut attrs,
+                        attr_idx.as_mut_ptr(),
+                        1,
+                        stream,
+                    )
+                };
+                match r.result() {
+                    Ok(()) => copied = true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "KV pull: the copy engines' batched copy failed; copying with kernels from now on");
+                        p.engines = false;
+                    }
                 }
             }
         }
-        let location = cudarc::driver::sys::CUmemLocation {
-            type_: cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: self.gpu.ordinal() as i32,
-        };
-        let mut attrs = cudarc::driver::sys::CUmemcpyAttributes {
-            srcAccessOrder: cudarc::driver::sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            srcLocHint: location,
-            dstLocHint: location,
-            flags: 0,
-        };
-        let mut attr_idx = [0usize];
-        // SAFETY: `dsts[i]`, `srcs[i]`, `sizes[i]` describe whole blocks inside the two pools' layers
-        // (ids checked against both extents above; the bases are layers of live pools or mappings);
-        // the arrays live across the call (the driver reads them during it).
-        let r = unsafe {
-            batch_copy(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), sizes.len(), &mut attrs, attr_idx.as_mut_ptr(), 1, stream)
-        };
-        match r.result() {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(error = %e, "KV copy: the copy engines' batched copy failed; copying with kernels from now on");
-                false
-            }
+        if !copied {
+            // SAFETY: every source base is a layer of a live mapping (or this process's memory) of
+            // the sender's pool, which the sender keeps claimed until we acknowledge the pull; every
+            // destination is a layer of this connector's pool whose blocks the transfer claims; the
+            // table is `kv_segment_table(segments)`; ids, table and sums live in `p`, whose slot
+            // stays the caller's until the event completed.
+            unsafe { kv_copy_segments(&self.gpu, &s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
         }
+        if let Some(k) = corrupt
+            && let Some((_, dst)) = chunks.get(k)
+            && let Some(&last) = dst.ids.last()
+        {
+            s.synchronize().map_err(err("waiting for the KV pull"))?;
+            flip_byte(dst.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
+        }
+        let check = KvSegments {
+            segments: &verify,
+            table: table.slice(tl..2 * tl),
+            src_ids: ids.slice(total..2 * total),
+            src_num_blocks: dst_num,
+            dst_ids: None,
+            dst_num_blocks: 0,
+            block_bytes: block_bytes as u64,
+            checksums: Some(p.sums.slice_mut(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len())),
+        };
+        // SAFETY: as above; the verification only reads the destination blocks.
+        unsafe { kv_copy_segments(&self.gpu, &s, check) }.map_err(|e| gpu_err("launching the KV verification", e))?;
+        // SAFETY: the slot's pinned sums stay untouched by the host until the event completed.
+        let out = unsafe { std::slice::from_raw_parts_mut(p.host.sums().add(slot * PULL_BATCH), chunks.len()) };
+        let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
+        // SAFETY: `out` is pinned host memory of the slot (see above), `sums` its device counters.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, addr_of(&sums, &s), stream) }.map_err(err("reading the checksums"))?;
+        p.events[slot].record(&s).map_err(err("recording the pull's event"))?;
+        Ok(PullEvent {
+            event: p.events[slot].cu_event() as usize,
+            sums: p.host.sums() as usize + slot * PULL_BATCH * 8,
+            blocks: chunks.iter().map(|(s, _)| s.ids.len()).collect(),
+            block_bytes,
+        })
     }
-}
-
-/// What one [`DeviceKv::batch`] call does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum BatchOp {
-    /// A sender's copy into a receiver's pool.
-    Copy,
-    /// A receiver's verification of the blocks that landed.
-    Verify,
 }
 
 /// `cuMemcpyBatchAsync` (CUDA 13 prototype), looked up without panicking where the driver lacks
@@ -578,48 +588,6 @@ struct Pull {
 }
 
 impl Pull {
-    /// Stages `ids` and the segment table of `segments` through slot `slot`'s pinned memory onto the
-    /// device (asynchronously, on `s`); returns their device views.
-    fn stage<'a>(
-        host: &Pinned,
-        dev: (&'a CudaSlice<u32>, &'a CudaSlice<u64>),
-        slot: usize,
-        s: &Arc<CudaStream>,
-        ids: impl Iterator<Item = &'a u32>,
-        segments: &[KvSegment],
-    ) -> Result<(cudarc::driver::CudaView<'a, u32>, cudarc::driver::CudaView<'a, u64>)> {
-        let ids_stride = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
-        let table_stride = 2 * (3 * PULL_BATCH + 1);
-        let table = kv_segment_table(segments);
-        // SAFETY: slot `slot` is the caller's (see `DeviceKv::batch`): no copy from this slot's
-        // staging is in flight (the previous user's event completed); the regions lie inside the
-        // pinned buffer (`PULL_SLOTS` slots of `ids_stride` ids and `table_stride` table words).
-        let (staged_ids, staged_table) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(host.ids().add(slot * ids_stride), ids_stride),
-                std::slice::from_raw_parts_mut(host.table().add(slot * table_stride), table_stride),
-            )
-        };
-        let mut n = 0;
-        for (d, &id) in staged_ids.iter_mut().zip(ids) {
-            *d = id;
-            n += 1;
-        }
-        staged_table[..table.len()].copy_from_slice(&table);
-        let dev_ids = dev.0.slice(slot * ids_stride..slot * ids_stride + n);
-        let dev_table = dev.1.slice(slot * table_stride..slot * table_stride + table.len());
-        // SAFETY: the staged regions are pinned host memory left untouched until this slot's event
-        // completed (the copies are asynchronous, stream-ordered before the kernels that read them);
-        // the device regions are this slot's.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(addr_of(&dev_ids, s), &staged_ids[..n], s.cu_stream())
-                .map_err(err("uploading block ids"))?;
-            cudarc::driver::result::memcpy_htod_async(addr_of(&dev_table, s), &staged_table[..table.len()], s.cu_stream())
-                .map_err(err("uploading the segment table"))?;
-        }
-        Ok((dev_ids, dev_table))
-    }
-
     fn new(ctx: &Arc<CudaContext>) -> Result<Pull> {
         use cudarc::driver::sys::CUevent_flags;
         let stream = ctx.new_stream().map_err(err("creating the pull stream"))?;

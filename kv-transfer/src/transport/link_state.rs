@@ -38,11 +38,6 @@ impl LinkState {
         &self.peer
     }
 
-    /// Another watcher of the link's state (for tasks besides the reader).
-    pub(crate) fn subscribe(&self) -> watch::Receiver<Closed> {
-        self.closed.subscribe()
-    }
-
     fn leave_open(&self, to: Closed) {
         self.closed.send_if_modified(|c| {
             if *c == Closed::Open {
