@@ -968,11 +968,11 @@ impl SendJob {
         let per_chunk = core.blocks_per_chunk();
         let num_layers = memory.geometry().num_layers();
         if n > 0 {
-            // Layers go in groups: the checksums of a group's chunks are one device call (or host
-            // loop), then its chunks are sent. Groups start at one layer (the first chunk leaves at
-            // once) and double while layers are ready, up to MAX_GROUP_LAYERS.
+            // Layers go in groups of those already pushed: one layer first (the first chunk leaves
+            // at once), then doubling up to MAX_GROUP_LAYERS.
             let mut layer = 0;
             let mut group = 1;
+            let mut first_sent = false;
             while layer < num_layers {
                 // Wait until the owner pushed this layer, unless the receiver already gave up.
                 tokio::select! {
@@ -989,46 +989,51 @@ impl SendJob {
                 let chunks: Vec<(u32, usize, usize)> = (layer..end)
                     .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
                     .collect();
-                crate::transport::kv_trace!("tx {:x} layers {layer}..{end} ready", desc.id);
-                let sums = core.chunk_checksums(&chunks, self.claim.blocks())?;
-                crate::transport::kv_trace!("tx {:x} layers {layer}..{end} checksummed ({} chunks)", desc.id, chunks.len());
-                // The group's chunks go to the transport at once (the pacing test hook sends them
-                // one by one, waiting before each).
+                // Device pools checksum the whole group in one call and hand it to the transport at
+                // once; host pools checksum and send chunk by chunk (the receiver works on one
+                // chunk while the next is summed). The pacing test hook sends chunk by chunk too,
+                // waiting before each.
                 let delay = crate::transport::chunk_delay_from_env();
-                let mut batch = Vec::with_capacity(chunks.len());
-                for (i, (&(l, first, count), checksum)) in chunks.iter().zip(sums).enumerate() {
-                    let blocks = &self.claim.blocks()[first..first + count];
-                    let header = ChunkHeader {
-                        id: desc.id,
-                        layer: l,
-                        block_start: first as u32,
-                        block_count: count as u32,
-                        byte_len: (count * bb) as u64,
-                        checksum,
-                    };
-                    let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
-                    batch.push((Frame::Chunk(header).encode(), Payload::new(memory.iovs(l, blocks), hold)));
-                    if delay.is_none() && i + 1 < chunks.len() {
-                        continue;
-                    }
-                    if *cancel.borrow() {
-                        return Err(cancelled);
-                    }
-                    match done_rx.try_recv() {
-                        Err(oneshot::error::TryRecvError::Empty) => {}
-                        Ok(verdict) => return Err(early(desc.id, Ok(verdict))),
-                        Err(oneshot::error::TryRecvError::Closed) => return Err(Error::Shutdown),
-                    }
-                    if let Some(delay) = delay {
-                        tokio::select! {
-                            _ = tokio::time::sleep(delay) => {}
-                            _ = cancel.wait_for(|c| *c) => return Err(cancelled),
+                let step = if core.device.is_some() { chunks.len() } else { 1 };
+                for part in chunks.chunks(step) {
+                    let sums = core.chunk_checksums(part, self.claim.blocks())?;
+                    crate::transport::kv_trace!("tx {:x} {} chunks from layer {} checksummed", desc.id, part.len(), part[0].0);
+                    let mut batch = Vec::with_capacity(part.len());
+                    for (i, (&(l, first, count), checksum)) in part.iter().zip(sums).enumerate() {
+                        let blocks = &self.claim.blocks()[first..first + count];
+                        let header = ChunkHeader {
+                            id: desc.id,
+                            layer: l,
+                            block_start: first as u32,
+                            block_count: count as u32,
+                            byte_len: (count * bb) as u64,
+                            checksum,
+                        };
+                        let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
+                        batch.push((Frame::Chunk(header).encode(), Payload::new(memory.iovs(l, blocks), hold)));
+                        if delay.is_none() && i + 1 < part.len() {
+                            continue;
                         }
-                    }
-                    link.send_batch(std::mem::take(&mut batch)).await?;
-                    crate::transport::kv_trace!("tx {:x} sent through layer {l} block {first}", desc.id);
-                    if layer == 0 && (delay.is_none() || i == 0) {
-                        tracing::debug!(id = desc.id, peer = link.peer(), "KV transfer: first chunk sent");
+                        if *cancel.borrow() {
+                            return Err(cancelled);
+                        }
+                        match done_rx.try_recv() {
+                            Err(oneshot::error::TryRecvError::Empty) => {}
+                            Ok(verdict) => return Err(early(desc.id, Ok(verdict))),
+                            Err(oneshot::error::TryRecvError::Closed) => return Err(Error::Shutdown),
+                        }
+                        if let Some(delay) = delay {
+                            tokio::select! {
+                                _ = tokio::time::sleep(delay) => {}
+                                _ = cancel.wait_for(|c| *c) => return Err(cancelled),
+                            }
+                        }
+                        link.send_batch(std::mem::take(&mut batch)).await?;
+                        crate::transport::kv_trace!("tx {:x} sent through layer {l} block {first}", desc.id);
+                        if !first_sent {
+                            first_sent = true;
+                            tracing::debug!(id = desc.id, peer = link.peer(), "KV transfer: first chunk sent");
+                        }
                     }
                 }
                 let sent: u64 = chunks.iter().map(|&(_, _, count)| (count * bb) as u64).sum();
