@@ -39,6 +39,47 @@ __device__ __forceinline__ u64 kv_warp_sum_u64(u64 v) {
     return v;
 }
 
+// Adds the warp's sum of `acc` to *counter (one atomic, from lane 0); every lane must call it.
+__device__ __forceinline__ void kv_warp_flush(u64 acc, int lane, u64* counter) {
+    acc = kv_warp_sum_u64(acc);
+    if (lane == 0 && acc != 0) atomicAdd(counter, acc);
+}
+
+// One warp task: vectors [v0, v0 + KV_TASK_VECS) of block `src` (16 bytes per load, every load
+// of a lane issued before its stores), stored into block `dst` when it is non-null, and, when
+// `sum` is set, the checksum terms of the words read added to `acc`, `j0` being the payload word
+// index of the task's first vector (vector v0 + lane holds words j0 + 2 * lane and j0 + 2 * lane + 1).
+__device__ __forceinline__ void kv_task(const uint4* __restrict__ src, uint4* __restrict__ dst, int v0, int lane,
+                                        int block_vecs, bool sum, u64 j0, u64& acc) {
+    uint4 x[KV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < KV_UNROLL; u++) {
+        const int v = v0 + u * 32 + lane;
+        if (v < block_vecs) x[u] = src[v];
+    }
+    if (dst) {
+#pragma unroll
+        for (int u = 0; u < KV_UNROLL; u++) {
+            const int v = v0 + u * 32 + lane;
+            if (v < block_vecs) dst[v] = x[u];
+        }
+    }
+    if (sum) {
+        // key(j) = j * MUL + ADD for this lane's first word; later vectors step by a constant.
+        const u64 k0 = (j0 + 2 * (u64)lane) * KV_WORD_MUL + KV_WORD_ADD;
+#pragma unroll
+        for (int u = 0; u < KV_UNROLL; u++) {
+            const int v = v0 + u * 32 + lane;
+            if (v < block_vecs) {
+                const u64 k = k0 + (u64)(u * 64) * KV_WORD_MUL;
+                const u64 w0 = (u64)x[u].x | ((u64)x[u].y << 32);
+                const u64 w1 = (u64)x[u].z | ((u64)x[u].w << 32);
+                acc += kv_fmix64(w0 ^ k) + kv_fmix64(w1 ^ (k + KV_WORD_MUL));
+            }
+        }
+    }
+}
+
 // For i < n: block src_ids[i] of src -> block dst_ids[i] of dst (when do_copy != 0), 16 bytes per
 // load and store; block j of an array is block_vecs * 16 bytes at base + j * block_vecs * 16.
 // `checksum` (may be null) receives the sum of the word terms of the bytes read, payload word
@@ -69,36 +110,9 @@ extern "C" __global__ void kv_copy_blocks(const unsigned char* __restrict__ src,
             if (lane == 0 && v0 == 0) acc += KV_BAD_BLOCK;
             continue;
         }
-        const uint4* s = reinterpret_cast<const uint4*>(src + (size_t)sid * block_bytes);
-        uint4 x[KV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < KV_UNROLL; u++) {
-            const int v = v0 + u * 32 + lane;
-            if (v < block_vecs) x[u] = s[v];
-        }
-        if (do_copy) {
-            uint4* d = reinterpret_cast<uint4*>(dst + (size_t)did * block_bytes);
-#pragma unroll
-            for (int u = 0; u < KV_UNROLL; u++) {
-                const int v = v0 + u * 32 + lane;
-                if (v < block_vecs) d[v] = x[u];
-            }
-        }
-        if (checksum) {
-            // key(j) = j * MUL + ADD for this lane's first word; later vectors step by a constant.
-            const u64 j0 = i * (u64)block_vecs * 2 + 2 * (u64)(v0 + lane);
-            const u64 k0 = j0 * KV_WORD_MUL + KV_WORD_ADD;
-#pragma unroll
-            for (int u = 0; u < KV_UNROLL; u++) {
-                const int v = v0 + u * 32 + lane;
-                if (v < block_vecs) {
-                    const u64 k = k0 + (u64)(u * 64) * KV_WORD_MUL;
-                    const u64 w0 = (u64)x[u].x | ((u64)x[u].y << 32);
-                    const u64 w1 = (u64)x[u].z | ((u64)x[u].w << 32);
-                    acc += kv_fmix64(w0 ^ k) + kv_fmix64(w1 ^ (k + KV_WORD_MUL));
-                }
-            }
-        }
+        kv_task(reinterpret_cast<const uint4*>(src + (size_t)sid * block_bytes),
+                do_copy ? reinterpret_cast<uint4*>(dst + (size_t)did * block_bytes) : nullptr, v0, lane, block_vecs,
+                checksum != nullptr, i * (u64)block_vecs * 2 + 2 * (u64)v0, acc);
     }
     if (checksum) {  // grid-uniform: every thread reaches the barrier
         __shared__ u64 warp_sums[32];
@@ -157,10 +171,7 @@ extern "C" __global__ void kv_copy_segments(const u64* __restrict__ table, int n
     for (u64 t = t0; t < t1; t++) {  // warp-uniform
         const u64 i = t / slices;
         while (i >= starts[s + 1]) {
-            if (checksums) {
-                acc = kv_warp_sum_u64(acc);
-                if (lane == 0 && acc != 0) atomicAdd(&checksums[s], acc);
-            }
+            if (checksums) kv_warp_flush(acc, lane, &checksums[s]);
             acc = 0;
             s++;
         }
@@ -171,39 +182,9 @@ extern "C" __global__ void kv_copy_segments(const u64* __restrict__ table, int n
             if (lane == 0 && v0 == 0) acc += KV_BAD_BLOCK;
             continue;
         }
-        const uint4* src = reinterpret_cast<const uint4*>((const unsigned char*)src_bases[s] + (size_t)sid * block_bytes);
-        uint4 x[KV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < KV_UNROLL; u++) {
-            const int v = v0 + u * 32 + lane;
-            if (v < block_vecs) x[u] = src[v];
-        }
-        if (do_copy) {
-            uint4* dst = reinterpret_cast<uint4*>((unsigned char*)dst_bases[s] + (size_t)did * block_bytes);
-#pragma unroll
-            for (int u = 0; u < KV_UNROLL; u++) {
-                const int v = v0 + u * 32 + lane;
-                if (v < block_vecs) dst[v] = x[u];
-            }
-        }
-        if (checksums) {
-            const u64 k_in_seg = i - starts[s];
-            const u64 j0 = k_in_seg * (u64)block_vecs * 2 + 2 * (u64)(v0 + lane);
-            const u64 k0 = j0 * KV_WORD_MUL + KV_WORD_ADD;
-#pragma unroll
-            for (int u = 0; u < KV_UNROLL; u++) {
-                const int v = v0 + u * 32 + lane;
-                if (v < block_vecs) {
-                    const u64 k = k0 + (u64)(u * 64) * KV_WORD_MUL;
-                    const u64 w0 = (u64)x[u].x | ((u64)x[u].y << 32);
-                    const u64 w1 = (u64)x[u].z | ((u64)x[u].w << 32);
-                    acc += kv_fmix64(w0 ^ k) + kv_fmix64(w1 ^ (k + KV_WORD_MUL));
-                }
-            }
-        }
+        kv_task(reinterpret_cast<const uint4*>((const unsigned char*)src_bases[s] + (size_t)sid * block_bytes),
+                do_copy ? reinterpret_cast<uint4*>((unsigned char*)dst_bases[s] + (size_t)did * block_bytes) : nullptr, v0,
+                lane, block_vecs, checksums != nullptr, (i - starts[s]) * (u64)block_vecs * 2 + 2 * (u64)v0, acc);
     }
-    if (checksums) {
-        acc = kv_warp_sum_u64(acc);
-        if (lane == 0 && acc != 0) atomicAdd(&checksums[s], acc);
-    }
+    if (checksums) kv_warp_flush(acc, lane, &checksums[s]);
 }

@@ -220,19 +220,6 @@ impl Core {
         }
     }
 
-    /// The checksum of `blocks` of `layer` (whose iovecs are `iovs`): on the host, or on the device
-    /// for device memory.
-    fn chunk_checksum(&self, layer: u32, blocks: &[u32], iovs: &[Iov]) -> Result<u64> {
-        match &self.device {
-            None => Ok(checksum_iovs(iovs)),
-            Some(device) => {
-                let m = &self.memory;
-                let at = Blocks { base: m.layer_base(layer) as u64, num_blocks: m.num_blocks(), ids: blocks };
-                device.checksum(at, m.geometry().block_bytes())
-            }
-        }
-    }
-
     /// Blocks per chunk: bounded by the configured chunk bytes on the host; device chunks take the
     /// protocol's most (a chunk is one kernel launch there, and bytes cost nothing to hold).
     fn blocks_per_chunk(&self) -> usize {
@@ -574,10 +561,9 @@ impl Core {
             Ok(_) if doomed => Ok(()),
             Ok(landed) => {
                 let start = h.block_start as usize;
-                let chunk = &blocks[start..start + h.block_count as usize];
                 let sum = match landed.checksum {
                     Some(sum) => Ok(sum),
-                    None => self.chunk_checksum(h.layer, chunk, &self.memory.iovs(h.layer, chunk)),
+                    None => self.chunk_checksums(&[(h.layer, start, h.block_count as usize)], &blocks).map(|sums| sums[0]),
                 };
                 match sum {
                     Err(e) => Err(e),

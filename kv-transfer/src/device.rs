@@ -98,16 +98,21 @@ pub(crate) struct DeviceKv {
     pull: Mutex<Option<Pull>>,
 }
 
-/// What a checksum call stages through page-locked memory at most (ids, table words, sums); a
-/// larger call goes through pageable memory.
-const SUM_STAGING_IDS: usize = 64 * 1024;
-const SUM_STAGING_TABLE: usize = 3 * 1024 + 1;
-const SUM_STAGING_SUMS: usize = 1024;
+/// Block ids a checksum call's staging holds at least.
+const MAX_CHUNK_IDS: usize = 16 * crate::MAX_CHUNK_BLOCKS as usize;
+
+/// A checksum call's page-locked staging and how much of each it holds.
+struct Staging {
+    pinned: Pinned,
+    ids: usize,
+    table: usize,
+    sums: usize,
+}
 
 struct Inner {
     // Field order is drop order: the pinned staging goes first (it waits for the context's work).
-    /// Page-locked staging of checksum calls (made on first use).
-    staging: Option<Pinned>,
+    /// Page-locked staging of checksum calls (made on first use, grown on demand).
+    staging: Option<Staging>,
     stream: Arc<CudaStream>,
     /// Block ids of one call: every chunk's source list, then (for a copy) the destination list
     /// (grown on demand, reused: a call allocates nothing in the common case).
@@ -150,12 +155,7 @@ impl DeviceKv {
 
     /// The CUDA context of the transfer stream.
     pub(crate) fn context(&self) -> Arc<CudaContext> {
-        Arc::clone(lock(&self.inner).stream.context())
-    }
-
-    /// The checksum of `blocks` in order (device memory of this GPU), computed on the device.
-    pub(crate) fn checksum(&self, blocks: Blocks<'_>, block_bytes: usize) -> Result<u64> {
-        Ok(self.checksums(&[blocks], block_bytes)?[0])
+        Arc::clone(self.gpu.stream().context())
     }
 
     /// The checksums of several chunks (each in order; all of one pool, so of the same number of
@@ -182,33 +182,30 @@ impl DeviceKv {
         if chunks.len() > inner.sum.len() {
             inner.sum = s.alloc_zeros::<u64>(chunks.len().next_power_of_two()).map_err(err("allocating checksums"))?;
         }
-        // Through page-locked staging when it fits (pageable copies stage through the driver and
-        // cost tens of microseconds each); the download below waits for the kernel either way.
-        let pinned = ids.len() <= SUM_STAGING_IDS && table.len() <= SUM_STAGING_TABLE && chunks.len() <= SUM_STAGING_SUMS;
-        if pinned {
-            if inner.staging.is_none() {
-                let (ids_bytes, table_bytes) = (SUM_STAGING_IDS * 4, SUM_STAGING_TABLE * 8);
-                inner.staging = Some(Pinned::new(s.context(), ids_bytes + table_bytes + SUM_STAGING_SUMS * 8, ids_bytes, ids_bytes + table_bytes)?);
-            }
-            let st = inner.staging.as_ref().expect("made above");
-            // SAFETY: the staging is this call's alone (`inner` is locked, and every call waits for
-            // its copies before returning); the lengths fit its regions (checked above).
-            let (staged_ids, staged_table) = unsafe {
-                (std::slice::from_raw_parts_mut(st.ids(), ids.len()), std::slice::from_raw_parts_mut(st.table(), table.len()))
-            };
-            staged_ids.copy_from_slice(&ids);
-            staged_table.copy_from_slice(&table);
-            s.context().bind_to_thread().map_err(err("binding the context"))?;
-            // SAFETY: pinned sources alive until the synchronisation below; device regions of `inner`.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(addr_of(&inner.ids.slice(0..ids.len()), &s), &staged_ids[..], s.cu_stream())
-                    .map_err(err("uploading block ids"))?;
-                cudarc::driver::result::memcpy_htod_async(addr_of(&inner.table.slice(0..table.len()), &s), &staged_table[..], s.cu_stream())
-                    .map_err(err("uploading the segment table"))?;
-            }
-        } else {
-            s.memcpy_htod(&ids, &mut inner.ids.slice_mut(0..ids.len())).map_err(err("uploading block ids"))?;
-            s.memcpy_htod(&table, &mut inner.table.slice_mut(0..table.len())).map_err(err("uploading the segment table"))?;
+        // Through page-locked staging (pageable copies stage through the driver and cost tens of
+        // microseconds each), grown when a call needs more.
+        let need = (ids.len(), table.len(), chunks.len());
+        if inner.staging.as_ref().is_none_or(|st| st.ids < need.0 || st.table < need.1 || st.sums < need.2) {
+            let (ids_cap, table_cap, sums_cap) =
+                (need.0.max(MAX_CHUNK_IDS).next_power_of_two(), need.1.max(64).next_power_of_two(), need.2.max(64).next_power_of_two());
+            let (ids_bytes, table_bytes) = (ids_cap * 4, table_cap * 8);
+            let pinned = Pinned::new(s.context(), ids_bytes + table_bytes + sums_cap * 8, ids_bytes, ids_bytes + table_bytes)?;
+            inner.staging = Some(Staging { pinned, ids: ids_cap, table: table_cap, sums: sums_cap });
+        }
+        let st = &inner.staging.as_ref().expect("made above").pinned;
+        // SAFETY: the staging is this call's alone (`inner` is locked, and every call waits for its
+        // copies before returning); the lengths fit its regions (grown above).
+        let (staged_ids, staged_table) =
+            unsafe { (std::slice::from_raw_parts_mut(st.ids(), ids.len()), std::slice::from_raw_parts_mut(st.table(), table.len())) };
+        staged_ids.copy_from_slice(&ids);
+        staged_table.copy_from_slice(&table);
+        s.context().bind_to_thread().map_err(err("binding the context"))?;
+        // SAFETY: pinned sources alive until the synchronisation below; device regions of `inner`.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(addr_of(&inner.ids.slice(0..ids.len()), &s), &staged_ids[..], s.cu_stream())
+                .map_err(err("uploading block ids"))?;
+            cudarc::driver::result::memcpy_htod_async(addr_of(&inner.table.slice(0..table.len()), &s), &staged_table[..], s.cu_stream())
+                .map_err(err("uploading the segment table"))?;
         }
         s.memset_zeros(&mut inner.sum.slice_mut(0..chunks.len())).map_err(err("zeroing the checksums"))?;
         let op = KvSegments {
@@ -226,88 +223,55 @@ impl DeviceKv {
         // is `kv_segment_table(segments)`; the buffers belong to `inner`, locked until the stream is
         // synchronised below.
         unsafe { kv_copy_segments(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV checksums", e))?;
-        let mut host = vec![0u64; chunks.len()];
-        match inner.staging.as_ref().filter(|_| pinned) {
-            Some(st) => {
-                // SAFETY: the staging's sum region holds `SUM_STAGING_SUMS >= chunks.len()` words, this
-                // call's alone; it is read only after the stream synchronised.
-                let out = unsafe { std::slice::from_raw_parts_mut(st.sums(), chunks.len()) };
-                // SAFETY: `out` is pinned host memory; the source is `inner.sum`'s first words.
-                unsafe { cudarc::driver::result::memcpy_dtoh_async(out, addr_of(&inner.sum.slice(0..chunks.len()), &s), s.cu_stream()) }
-                    .map_err(err("reading the checksums"))?;
-                s.synchronize().map_err(err("waiting for the KV checksums"))?;
-                host.copy_from_slice(out);
-            }
-            None => {
-                s.memcpy_dtoh(&inner.sum.slice(0..chunks.len()), &mut host).map_err(err("reading the checksums"))?;
-                s.synchronize().map_err(err("waiting for the KV checksums"))?;
-            }
-        }
-        Ok(chunks.iter().zip(host).map(|(c, sum)| kv_checksum_finish(sum, c.ids.len(), block_bytes as u64)).collect())
+        let st = &inner.staging.as_ref().expect("made above").pinned;
+        // SAFETY: the staging's sum region holds at least `chunks.len()` words, this call's alone; it
+        // is read only after the stream synchronised.
+        let host = unsafe { std::slice::from_raw_parts_mut(st.sums(), chunks.len()) };
+        // SAFETY: `host` is pinned host memory; the source is `inner.sum`'s first words.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(host, addr_of(&inner.sum.slice(0..chunks.len()), &s), s.cu_stream()) }
+            .map_err(err("reading the checksums"))?;
+        s.synchronize().map_err(err("waiting for the KV checksums"))?;
+        Ok(chunks.iter().zip(host.iter()).map(|(c, &sum)| kv_checksum_finish(sum, c.ids.len(), block_bytes as u64)).collect())
     }
 
     /// Copies `src` blocks to `dst` blocks (pairwise; `dst` may be another process's memory mapped
     /// through CUDA IPC, or a staging buffer) and returns the checksum of what was read. `corrupt`
     /// flips one byte of the last destination block afterwards (the integrity test hook).
     pub(crate) fn copy(&self, src: Blocks<'_>, dst: Blocks<'_>, block_bytes: usize, corrupt: bool) -> Result<u64> {
-        if src.ids.len() != dst.ids.len() {
-            return Err(Error::Invalid(format!("{} source blocks for {} destination blocks", src.ids.len(), dst.ids.len())));
+        let n = src.ids.len();
+        if n != dst.ids.len() {
+            return Err(Error::Invalid(format!("{n} source blocks for {} destination blocks", dst.ids.len())));
         }
-        Ok(self.run(&[(src, Some(dst))], block_bytes, corrupt)?[0])
-    }
-
-    fn run(&self, chunks: &[(Blocks<'_>, Option<Blocks<'_>>)], block_bytes: usize, corrupt: bool) -> Result<Vec<u64>> {
         let mut guard = lock(&self.inner);
         let inner = &mut *guard;
         let s = Arc::clone(&inner.stream);
-        // Every chunk's source ids, then its destination ids, in one host array and one upload.
-        let mut host_ids: Vec<u32> = Vec::new();
-        let mut at = Vec::with_capacity(chunks.len());
-        for (src, dst) in chunks {
-            let from = host_ids.len();
-            host_ids.extend_from_slice(src.ids);
-            if let Some(d) = dst {
-                host_ids.extend_from_slice(d.ids);
-            }
-            at.push(from);
-        }
-        if host_ids.len() > inner.ids.len() {
+        if 2 * n > inner.ids.len() {
             // Earlier calls finished (each synchronises before returning): the old buffer is free.
-            inner.ids = s.alloc_zeros::<u32>(host_ids.len().next_power_of_two()).map_err(err("allocating block ids"))?;
+            inner.ids = s.alloc_zeros::<u32>((2 * n).next_power_of_two()).map_err(err("allocating block ids"))?;
         }
-        if chunks.len() > inner.sum.len() {
-            inner.sum = s.alloc_zeros::<u64>(chunks.len().next_power_of_two()).map_err(err("allocating checksums"))?;
-        }
-        if !host_ids.is_empty() {
-            s.memcpy_htod(&host_ids, &mut inner.ids.slice_mut(0..host_ids.len())).map_err(err("uploading block ids"))?;
-        }
-        s.memset_zeros(&mut inner.sum.slice_mut(0..chunks.len())).map_err(err("zeroing the checksums"))?;
-        for (i, ((src, dst), &from)) in chunks.iter().zip(&at).enumerate() {
-            let n = src.ids.len();
-            let op = KvCopy {
-                src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: inner.ids.slice(from..from + n) },
-                dst: dst.as_ref().map(|d| BlockList {
-                    array: BlockArray { base: d.base, num_blocks: d.num_blocks },
-                    ids: inner.ids.slice(from + n..from + 2 * n),
-                }),
-                block_bytes: block_bytes as u64,
-                checksum: Some(inner.sum.slice_mut(i..i + 1)),
-            };
-            // SAFETY: `src` is registered device memory of this GPU (or, for `dst`, a live IPC mapping
-            // of a peer's pool) of `num_blocks` blocks each; the transfer holds claims on the blocks
-            // read and written, so no one else touches them; source and destination are different
-            // pools; the id and sum buffers belong to `inner`, locked until the stream is
-            // synchronised below.
-            unsafe { kv_copy_blocks(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
-        }
-        if corrupt && let Some((_, Some(d))) = chunks.last() && let Some(&last) = d.ids.last() {
+        let host_ids: Vec<u32> = src.ids.iter().chain(dst.ids).copied().collect();
+        s.memcpy_htod(&host_ids, &mut inner.ids.slice_mut(0..2 * n)).map_err(err("uploading block ids"))?;
+        s.memset_zeros(&mut inner.sum.slice_mut(0..1)).map_err(err("zeroing the checksum"))?;
+        let op = KvCopy {
+            src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: inner.ids.slice(0..n) },
+            dst: Some(BlockList { array: BlockArray { base: dst.base, num_blocks: dst.num_blocks }, ids: inner.ids.slice(n..2 * n) }),
+            block_bytes: block_bytes as u64,
+            checksum: Some(inner.sum.slice_mut(0..1)),
+        };
+        // SAFETY: `src` and `dst` are registered device memory of this GPU or a staging buffer of it
+        // (or a live IPC mapping of a peer's pool) of `num_blocks` blocks each; the transfer holds
+        // claims on the blocks read and written, so no one else touches them; source and destination
+        // are different buffers; the id and sum buffers belong to `inner`, locked until the stream is
+        // synchronised below.
+        unsafe { kv_copy_blocks(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
+        if corrupt && let Some(&last) = dst.ids.last() {
             s.synchronize().map_err(err("waiting for the KV copy"))?;
-            flip_byte(d.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
+            flip_byte(dst.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
         }
-        let mut host = vec![0u64; chunks.len()];
-        s.memcpy_dtoh(&inner.sum.slice(0..chunks.len()), &mut host).map_err(err("reading the checksums"))?;
+        let mut host = [0u64; 1];
+        s.memcpy_dtoh(&inner.sum.slice(0..1), &mut host).map_err(err("reading the checksum"))?;
         s.synchronize().map_err(err("waiting for the KV copy"))?;
-        Ok(chunks.iter().zip(host).map(|((src, _), sum)| kv_checksum_finish(sum, src.ids.len(), block_bytes as u64)).collect())
+        Ok(kv_checksum_finish(host[0], n, block_bytes as u64))
     }
 
     /// Enqueues a receiver's pull of a batch of chunks into pull slot `slot` and returns without

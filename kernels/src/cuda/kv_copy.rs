@@ -95,6 +95,36 @@ pub fn kv_checksum_finish(sum: u64, n_blocks: usize, block_bytes: u64) -> u64 {
     sum ^ (n_blocks as u64).wrapping_mul(block_bytes)
 }
 
+/// `BadShape` unless `block_bytes` is a positive multiple of 16 up to 1 GiB and `stream` belongs
+/// to `gpu`'s context (whose kernel table a launch uses).
+fn check_launch(gpu: &Gpu, stream: &CudaStream, block_bytes: u64) -> Result<()> {
+    check(
+        block_bytes > 0 && block_bytes.is_multiple_of(16) && block_bytes <= MAX_BLOCK_BYTES,
+        || format!("block_bytes {block_bytes} is not a positive multiple of 16 up to 1 GiB"),
+    )?;
+    check(
+        stream.context().cu_ctx() == gpu.stream().context().cu_ctx(),
+        || "the stream belongs to another CUDA context than the Gpu".into(),
+    )
+}
+
+/// The grid of a launch over `n` blocks of `block_bytes`: CTAs of `THREADS`, one warp per 2 KiB
+/// task, at most `CTAS_PER_SM` per SM of the stream's device.
+fn grid(stream: &CudaStream, n: usize, block_bytes: u64) -> Result<LaunchConfig> {
+    let tasks = (n as u64) * (block_bytes / 16).div_ceil(TASK_VECS);
+    let warps_per_cta = u64::from(THREADS / 32);
+    let sms = stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let max_ctas = u32::try_from(sms).unwrap_or(1).clamp(1, 65_535) * CTAS_PER_SM;
+    let warps = tasks.min(u64::from(max_ctas) * warps_per_cta);
+    Ok(LaunchConfig {
+        grid_dim: (blocks(warps as usize, warps_per_cta as usize), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// `BadShape` unless `a` is a usable array of `block_bytes` blocks: 16-byte aligned, non-null
 /// when it has blocks, and its end does not wrap around the address space.
 fn check_array(what: &str, a: BlockArray, block_bytes: u64) -> Result<()> {
@@ -153,14 +183,7 @@ pub unsafe fn kv_copy_blocks(gpu: &Gpu, stream: &CudaStream, op: KvCopy<'_>) -> 
         block_bytes,
         checksum,
     } = op;
-    check(
-        block_bytes > 0 && block_bytes.is_multiple_of(16) && block_bytes <= MAX_BLOCK_BYTES,
-        || format!("block_bytes {block_bytes} is not a positive multiple of 16 up to 1 GiB"),
-    )?;
-    check(
-        stream.context().cu_ctx() == gpu.stream().context().cu_ctx(),
-        || "the stream belongs to another CUDA context than the Gpu".into(),
-    )?;
+    check_launch(gpu, stream, block_bytes)?;
     let n = src.ids.len();
     let n_i = to_i32("blocks in the chunk", n)?;
     check_array("source", src.array, block_bytes)?;
@@ -177,19 +200,7 @@ pub unsafe fn kv_copy_blocks(gpu: &Gpu, stream: &CudaStream, op: KvCopy<'_>) -> 
         return Ok(());
     }
     let block_vecs = (block_bytes / 16) as i32; // <= 2^26: checked above
-    let tasks = (n as u64) * (block_bytes / 16).div_ceil(TASK_VECS);
-    let warps_per_cta = u64::from(THREADS / 32);
-    let sms = stream
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let max_ctas = u32::try_from(sms).unwrap_or(1).clamp(1, 65_535) * CTAS_PER_SM;
-    let warps = tasks.min(u64::from(max_ctas) * warps_per_cta);
-    let ctas = blocks(warps as usize, warps_per_cta as usize);
-    let cfg = LaunchConfig {
-        grid_dim: (ctas, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = grid(stream, n, block_bytes)?;
     let (dst_base, dst_num_blocks, dst_ids, do_copy) = match &dst {
         Some(d) => (d.array.base, d.array.num_blocks, addr(&d.ids, stream), 1i32),
         None => (0u64, 0u32, 0u64, 0i32),
@@ -293,14 +304,7 @@ pub unsafe fn kv_copy_segments(gpu: &Gpu, stream: &CudaStream, op: KvSegments<'_
         block_bytes,
         checksums,
     } = op;
-    check(
-        block_bytes > 0 && block_bytes.is_multiple_of(16) && block_bytes <= MAX_BLOCK_BYTES,
-        || format!("block_bytes {block_bytes} is not a positive multiple of 16 up to 1 GiB"),
-    )?;
-    check(
-        stream.context().cu_ctx() == gpu.stream().context().cu_ctx(),
-        || "the stream belongs to another CUDA context than the Gpu".into(),
-    )?;
+    check_launch(gpu, stream, block_bytes)?;
     if segments.is_empty() {
         return Ok(());
     }
@@ -349,18 +353,7 @@ pub unsafe fn kv_copy_segments(gpu: &Gpu, stream: &CudaStream, op: KvSegments<'_
         })?;
     }
     let block_vecs = (block_bytes / 16) as i32; // <= 2^26: checked above
-    let tasks = (n as u64) * (block_bytes / 16).div_ceil(TASK_VECS);
-    let warps_per_cta = u64::from(THREADS / 32);
-    let sms = stream
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let max_ctas = u32::try_from(sms).unwrap_or(1).clamp(1, 65_535) * CTAS_PER_SM;
-    let warps = tasks.min(u64::from(max_ctas) * warps_per_cta);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks(warps as usize, warps_per_cta as usize), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = grid(stream, n, block_bytes)?;
     let (dst_ptr, do_copy) = match &dst_ids {
         Some(d) => (addr(d, stream), 1i32),
         None => (0u64, 0i32),
