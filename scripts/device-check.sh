@@ -39,7 +39,8 @@
 #   gpus_kv       the nccl test binary's two-GPU tests (.device/tests/nccl-* --ignored), the
 #                 conformance suite for nccl and cuda-ipc with senders on cuda:0 and receivers on
 #                 cuda:1, and tandem bench kv for both across the GPUs (1, 16, 256 MiB) next to a
-#                 bare NCCL send and cudaMemcpyPeer of the same bytes
+#                 bare NCCL send and cudaMemcpyPeer of the same bytes; cuda-ipc again with pulls
+#                 (TANDEM_KV_NO_PUSH=1), and the timeline of one traced 256 MiB transfer of each backend
 #   gpus_cluster  with --kv-connector nccl and then cuda-ipc: tandem up --devices cuda:0,cuda:1
 #                 == generate; etcd + router + prefill node on cuda:0 + decode node on cuda:1 as
 #                 processes: client output == generate; a prefill node
@@ -168,6 +169,10 @@ stage_cluster() {
 stage_kv() {
     cmd .device/tandem kv conformance cuda-ipc --device cuda:0 || return 1
     cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0 --latency-iters 200 || return 1
+    echo "---- cuda-ipc on one GPU, TANDEM_KV_TRACE=1, 256 MiB"
+    TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0 --sizes 256 --iters 1 --latency-iters 1 \
+        > /tmp/kv_trace.txt 2>&1 || return 1
+    last_transfer_trace /tmp/kv_trace.txt 256
 }
 
 # Starts `tandem ARGS...` in the background with its output in $OUT/NAME.log and waits for its
@@ -286,6 +291,15 @@ stage_bench() {
 }
 
 # ---- two GPUs -------------------------------------------------------------------------
+# The TANDEM_KV_TRACE timeline of the last transfer of N blocks in FILE (its start to its
+# completion on the receiver).
+last_transfer_trace() {
+    local file=$1 blocks=$2 id
+    id=$(grep "start ($blocks blocks)" "$file" | tail -n 1 | awk '{print $5}')
+    [[ -n "$id" ]] || { echo "no traced transfer of $blocks blocks in $file"; return 0; }
+    awk -v id="$id" '$0 ~ "tx " id " start" {on=1} on {print} on && $0 ~ "rx " id " complete" {exit}' "$file"
+}
+
 stage_gpus_kv() {
     local rc=0
     # the conformance cases run below through the CLI; the binary's other two-GPU tests here
@@ -293,7 +307,19 @@ stage_gpus_kv() {
     cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
     cmd .device/tandem kv conformance cuda-ipc --device cuda:0,cuda:1 || rc=1
     cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 200 || rc=1
+    echo "---- nccl, TANDEM_KV_TRACE=1, 256 MiB"
+    TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --sizes 256 --iters 1 --latency-iters 1 \
+        > /tmp/gpus_kv_nccl_trace.txt 2>&1 || rc=1
+    last_transfer_trace /tmp/gpus_kv_nccl_trace.txt 256
     cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 200 || rc=1
+    # the same with the receiver's GPU pulling (reads over the link) instead of cuda:0 pushing
+    echo "---- cuda-ipc, pulls (TANDEM_KV_NO_PUSH=1)"
+    TANDEM_KV_NO_PUSH=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 50 || rc=1
+    # one 256 MiB transfer's timeline (the trace holds the warm-up and the measured runs)
+    echo "---- cuda-ipc, TANDEM_KV_TRACE=1, 256 MiB"
+    TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --sizes 256 --iters 1 --latency-iters 1 \
+        > /tmp/gpus_kv_trace.txt 2>&1 || rc=1
+    last_transfer_trace /tmp/gpus_kv_trace.txt 256
     return "$rc"
 }
 

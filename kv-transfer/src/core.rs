@@ -430,7 +430,10 @@ impl Core {
                     }
                     Frame::Chunk(h) => self.rx_chunk(&mut rx, link, h, payload_len, &mut replies),
                     Frame::Abort { id, code, reason } => {
-                        if rx.transfers.get(&id).is_some_and(|t| t.link == Some(link.id())) {
+                        // From the link that started it, or, before any `Start` (a sender sends it
+                        // with its first chunks, so it may give up before), from any linked sender
+                        // that knows the transfer's id (as a `Start` would be).
+                        if rx.transfers.get(&id).is_some_and(|t| t.link.is_none_or(|l| l == link.id())) {
                             let err = match code {
                                 AbortCode::Cancelled => Error::Cancelled { id, by: "sender" },
                                 _ => Error::Rejected { id, reason: format!("sender aborted: {reason}") },
@@ -946,10 +949,16 @@ impl SendJob {
             blocks_hash: frame::blocks_hash(&desc.dst_blocks),
             binding: self.binding,
         };
-        link.send(start.encode(), Payload::empty()).await?;
-        crate::transport::kv_trace!("tx {:x} start sent", desc.id);
-
         let n = self.claim.blocks().len();
+        // `Start` goes out in one write with the first chunks (one socket message and one wake-up of
+        // the receiver fewer per transfer); alone when there are no blocks.
+        let mut start = Some(start.encode());
+        if n == 0
+            && let Some(start) = start.take()
+        {
+            link.send(start, Payload::empty()).await?;
+        }
+
         let bb = memory.geometry().block_bytes();
         let per_chunk = core.blocks_per_chunk();
         let num_layers = memory.geometry().num_layers();
@@ -984,7 +993,10 @@ impl SendJob {
                 for part in chunks.chunks(step) {
                     let sums = core.chunk_checksums(part, self.claim.blocks())?;
                     crate::transport::kv_trace!("tx {:x} {} chunks from layer {} checksummed", desc.id, part.len(), part[0].0);
-                    let mut batch = Vec::with_capacity(part.len());
+                    let mut batch = Vec::with_capacity(part.len() + 1);
+                    if let Some(start) = start.take() {
+                        batch.push((start, Payload::empty()));
+                    }
                     for (i, (&(l, first, count), checksum)) in part.iter().zip(sums).enumerate() {
                         let blocks = &self.claim.blocks()[first..first + count];
                         let header = ChunkHeader {
@@ -1168,6 +1180,24 @@ mod tests {
         assert_eq!(core.memory().claimed_blocks(), 0);
         tokio::task::yield_now().await;
         assert!(lock(&recorder.frames).iter().any(|f| matches!(f, Frame::Abort { id: i, code: AbortCode::Integrity, .. } if *i == id)));
+    }
+
+    #[tokio::test]
+    async fn a_sender_that_gives_up_before_its_first_chunk_ends_the_transfer() {
+        // Senders send `Start` with their first chunks: an abort may come first.
+        let memory = KvMemory::host(geometry(), 16).expect("pool");
+        let core = Core::new(memory, ConnectorConfig::default(), Handle::current()).expect("core");
+        let recorder = Arc::new(Recorder { frames: Mutex::new(Vec::new()) });
+        let link: Arc<dyn Link> = Arc::clone(&recorder) as Arc<dyn Link>;
+        let hello = Frame::Hello { version: PROTOCOL_VERSION, geometry: geometry() };
+        assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
+        let recv = core.expect(vec![1, 2], 5, Duration::from_secs(30)).expect("expect");
+        let id = recv.descriptor().id;
+        assert_eq!(core.memory().claimed_blocks(), 2);
+        let abort = Frame::Abort { id, code: AbortCode::Cancelled, reason: "cancelled".into() };
+        assert!(matches!(core.on_message(&link, &abort.encode(), 0), Delivery::Discard));
+        assert!(matches!(recv.progress().state, TransferState::Failed(Error::Cancelled { by: "sender", .. })));
+        assert_eq!(core.memory().claimed_blocks(), 0);
     }
 
     #[tokio::test]

@@ -1,8 +1,10 @@
 //! Device memory for transfers: the KV pools of CUDA engines registered as they are, so blocks move
 //! device to device with no trip through host memory. [`DeviceKv`] is a connector's device side: the
-//! GPU's kernel table, one stream on which the synchronous calls run (checksums of chunks, block
-//! copies for NCCL staging), each synchronised before it returns, and a second stream for the
-//! receiver's pipelined pulls (cuda-ipc), which return an event instead of waiting.
+//! GPU's kernel table, one stream on which the synchronous checksum calls run (each synchronised
+//! before it returns), and a second stream for pulls — a batch of chunks copied and then verified
+//! (each chunk's destination summed), returning an event instead of waiting: cuda-ipc receivers
+//! pipeline them, nccl moves its staging buffers with them (plus, for a cuda-ipc sender's pool on
+//! another GPU, a stream of that GPU whose copy engines push into ours).
 //!
 //! Invariants:
 //! - The checksum of a chunk is the one `tandem_kernels::cpu::kv_checksum` defines, computed on the
@@ -21,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use tandem_kernels::cuda::{
-    BlockArray, BlockList, Gpu, IpcAlloc, KvCopy, KvSegment, KvSegments, kv_checksum_finish, kv_copy_blocks, kv_copy_segments,
+    Gpu, IpcAlloc, KvSegment, KvSegments, kv_checksum_finish, kv_copy_segments,
     kv_segment_table,
 };
 
@@ -234,54 +236,26 @@ impl DeviceKv {
         Ok(chunks.iter().zip(host.iter()).map(|(c, &sum)| kv_checksum_finish(sum, c.ids.len(), block_bytes as u64)).collect())
     }
 
-    /// Copies `src` blocks to `dst` blocks (pairwise; `dst` may be another process's memory mapped
-    /// through CUDA IPC, or a staging buffer) and returns the checksum of what was read. `corrupt`
-    /// flips one byte of the last destination block afterwards (the integrity test hook).
-    pub(crate) fn copy(&self, src: Blocks<'_>, dst: Blocks<'_>, block_bytes: usize, corrupt: bool) -> Result<u64> {
-        let n = src.ids.len();
-        if n != dst.ids.len() {
-            return Err(Error::Invalid(format!("{n} source blocks for {} destination blocks", dst.ids.len())));
-        }
-        let mut guard = lock(&self.inner);
-        let inner = &mut *guard;
-        let s = Arc::clone(&inner.stream);
-        if 2 * n > inner.ids.len() {
-            // Earlier calls finished (each synchronises before returning): the old buffer is free.
-            inner.ids = s.alloc_zeros::<u32>((2 * n).next_power_of_two()).map_err(err("allocating block ids"))?;
-        }
-        let host_ids: Vec<u32> = src.ids.iter().chain(dst.ids).copied().collect();
-        s.memcpy_htod(&host_ids, &mut inner.ids.slice_mut(0..2 * n)).map_err(err("uploading block ids"))?;
-        s.memset_zeros(&mut inner.sum.slice_mut(0..1)).map_err(err("zeroing the checksum"))?;
-        let op = KvCopy {
-            src: BlockList { array: BlockArray { base: src.base, num_blocks: src.num_blocks }, ids: inner.ids.slice(0..n) },
-            dst: Some(BlockList { array: BlockArray { base: dst.base, num_blocks: dst.num_blocks }, ids: inner.ids.slice(n..2 * n) }),
-            block_bytes: block_bytes as u64,
-            checksum: Some(inner.sum.slice_mut(0..1)),
-        };
-        // SAFETY: `src` and `dst` are registered device memory of this GPU or a staging buffer of it
-        // (or a live IPC mapping of a peer's pool) of `num_blocks` blocks each; the transfer holds
-        // claims on the blocks read and written, so no one else touches them; source and destination
-        // are different buffers; the id and sum buffers belong to `inner`, locked until the stream is
-        // synchronised below.
-        unsafe { kv_copy_blocks(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV copy", e))?;
-        if corrupt && let Some(&last) = dst.ids.last() {
-            s.synchronize().map_err(err("waiting for the KV copy"))?;
-            flip_byte(dst.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
-        }
-        let mut host = [0u64; 1];
-        s.memcpy_dtoh(&inner.sum.slice(0..1), &mut host).map_err(err("reading the checksum"))?;
-        s.synchronize().map_err(err("waiting for the KV copy"))?;
-        Ok(kv_checksum_finish(host[0], n, block_bytes as u64))
-    }
-
     /// Enqueues a receiver's pull of a batch of chunks into pull slot `slot` and returns without
     /// waiting: for each chunk, `src` blocks (a sender's pool, mapped) are copied into `dst` blocks
-    /// (this connector's own), all in one launch; behind it one verification pass sums each
-    /// chunk's destination blocks as they now are; the sums reach host memory when the slot's
-    /// event completes ([`PullEvent::wait`]). `corrupt` names a chunk whose last destination block
-    /// gets one byte flipped between the two launches (the integrity test hook; it waits for the
-    /// copy). A slot is the caller's until its `PullEvent` was waited for.
-    pub(crate) fn pull(&self, slot: usize, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize, corrupt: Option<usize>) -> Result<PullEvent> {
+    /// (this connector's own); behind the copy, verification passes sum each chunk's destination
+    /// blocks as they now are; the sums reach host memory when the slot's event completes
+    /// ([`PullEvent::wait`]). With `push`, the sender's GPU is another one and its copy engines
+    /// move the bytes (writes over NVLink/PCIe, faster than this GPU's reads of the peer), in
+    /// groups of `PUSH_GROUP` chunks, each group verified here as soon as it landed (this stream
+    /// waits on an event the source GPU's stream records; no host round trip); without it, or
+    /// where the source cannot push, this GPU copies (copy engines, else the copy kernel) and
+    /// verifies the batch in one launch. `corrupt` names a chunk whose last destination block gets
+    /// one byte flipped between its copy and its verification (the integrity test hook; it waits
+    /// for the copy). A slot is the caller's until its `PullEvent` was waited for.
+    pub(crate) fn pull(
+        &self,
+        slot: usize,
+        chunks: &[(Blocks<'_>, Blocks<'_>)],
+        block_bytes: usize,
+        corrupt: Option<usize>,
+        push: Option<PushFrom<'_>>,
+    ) -> Result<PullEvent> {
         let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
         let bad = chunks.is_empty()
             || chunks.len() > PULL_BATCH
@@ -289,7 +263,8 @@ impl DeviceKv {
             || chunks.iter().any(|(s, d)| {
                 s.ids.is_empty() || s.ids.len() != d.ids.len() || s.num_blocks != chunks[0].0.num_blocks || d.num_blocks != chunks[0].1.num_blocks
             })
-            || total > PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
+            || total > PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize
+            || push.as_ref().is_some_and(|p| p.src_bases.len() != chunks.len());
         if bad {
             return Err(Error::Invalid(format!("a pull of {} chunks ({total} blocks) into slot {slot}", chunks.len())));
         }
@@ -299,112 +274,173 @@ impl DeviceKv {
         }
         let p = guard.as_mut().expect("made above");
         let s = Arc::clone(&p.stream);
+        let r = self.enqueue_pull(p, &s, slot, chunks, total, block_bytes, corrupt, push);
+        if r.is_err() {
+            // Some of the batch may be enqueued already, reading this slot's staging: let it run out
+            // before the slot can be handed out again.
+            let _ = s.synchronize();
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_pull(
+        &self,
+        p: &mut Pull,
+        s: &Arc<CudaStream>,
+        slot: usize,
+        chunks: &[(Blocks<'_>, Blocks<'_>)],
+        total: usize,
+        block_bytes: usize,
+        corrupt: Option<usize>,
+        push: Option<PushFrom<'_>>,
+    ) -> Result<PullEvent> {
         // The raw driver calls below act on the thread's current context: make it the pool's GPU's
         // (a thread may have worked for a connector of another GPU just before).
         s.context().bind_to_thread().map_err(err("binding the context"))?;
+        let own = self.gpu.ordinal() as i32;
+        // A push needs the copy engines' batched call and a source GPU that can write ours.
+        let push = push.filter(|f| p.engines && batch_copy_fn().is_some() && f.device != own && !p.push_failed && push_enabled());
         let segments: Vec<KvSegment> = chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
         let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
-        let ids_stride = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
-        let table_stride = 2 * (3 * PULL_BATCH + 1);
-        // SAFETY: slot `slot` is the caller's (see the doc): no copy from this slot's staging is in
-        // flight (the previous user's event completed), and the regions lie inside the pinned
-        // buffer (`PULL_SLOTS` slots of `ids_stride` ids, `table_stride` table words and
+        // Chunk groups verified by one launch each: the push's groups, or the whole batch.
+        let groups: Vec<std::ops::Range<usize>> = if push.is_some() {
+            (0..chunks.len()).step_by(PUSH_GROUP).map(|a| a..(a + PUSH_GROUP).min(chunks.len())).collect()
+        } else {
+            std::iter::once(0..chunks.len()).collect()
+        };
+        // SAFETY: slot `slot` is the caller's (see `pull`'s doc): no copy from this slot's staging is
+        // in flight (the previous user's event completed), and the regions lie inside the pinned
+        // buffer (`PULL_SLOTS` slots of `IDS_STRIDE` ids, `TABLE_STRIDE` table words and
         // `PULL_BATCH` sums).
         let (staged_ids, staged_table) = unsafe {
             (
-                std::slice::from_raw_parts_mut(p.host.ids().add(slot * ids_stride), 2 * total),
-                std::slice::from_raw_parts_mut(p.host.table().add(slot * table_stride), table_stride),
+                std::slice::from_raw_parts_mut(p.host.ids().add(slot * IDS_STRIDE), 2 * total),
+                std::slice::from_raw_parts_mut(p.host.table().add(slot * TABLE_STRIDE), TABLE_STRIDE),
             )
         };
         let mut at = 0;
+        // Where each chunk's ids start in the source list (and, offset by `total`, the destination's).
+        let mut starts = Vec::with_capacity(chunks.len() + 1);
         for (src, _) in chunks {
+            starts.push(at);
             staged_ids[at..at + src.ids.len()].copy_from_slice(src.ids);
             at += src.ids.len();
         }
+        starts.push(at);
         for (_, dst) in chunks {
             staged_ids[at..at + dst.ids.len()].copy_from_slice(dst.ids);
             at += dst.ids.len();
         }
-        let (copy_table, verify_table) = (kv_segment_table(&segments), kv_segment_table(&verify));
+        // The table: the copy's, then each group's verification table.
+        let copy_table = kv_segment_table(&segments);
         let tl = copy_table.len();
         staged_table[..tl].copy_from_slice(&copy_table);
-        staged_table[tl..2 * tl].copy_from_slice(&verify_table);
-        let ids = p.ids.slice(slot * ids_stride..slot * ids_stride + 2 * total);
-        let table = p.table.slice(slot * table_stride..slot * table_stride + 2 * tl);
+        let mut verify_tables = Vec::with_capacity(groups.len());
+        let mut t_at = tl;
+        for g in &groups {
+            let t = kv_segment_table(&verify[g.clone()]);
+            staged_table[t_at..t_at + t.len()].copy_from_slice(&t);
+            verify_tables.push(t_at..t_at + t.len());
+            t_at += t.len();
+        }
+        let ids = p.ids.slice(slot * IDS_STRIDE..slot * IDS_STRIDE + 2 * total);
+        let table = p.table.slice(slot * TABLE_STRIDE..slot * TABLE_STRIDE + t_at);
         let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
         let stream = s.cu_stream();
         // SAFETY: the staged regions are pinned host memory left untouched until this slot's event
         // completed (the copies are asynchronous, stream-ordered before the kernels that read them);
         // the device regions are this slot's.
         unsafe {
-            cudarc::driver::result::memcpy_htod_async(addr_of(&ids, &s), &staged_ids[..], stream).map_err(err("uploading block ids"))?;
-            cudarc::driver::result::memcpy_htod_async(addr_of(&table, &s), &staged_table[..2 * tl], stream)
-                .map_err(err("uploading the segment table"))?;
-            cudarc::driver::result::memset_d8_async(addr_of(&sums, &s), 0, 8 * chunks.len(), stream).map_err(err("zeroing the checksums"))?;
+            cudarc::driver::result::memcpy_htod_async(addr_of(&ids, s), &staged_ids[..], stream).map_err(err("uploading block ids"))?;
+            cudarc::driver::result::memcpy_htod_async(addr_of(&table, s), &staged_table[..t_at], stream)
+                .map_err(err("uploading the segment tables"))?;
+            cudarc::driver::result::memset_d8_async(addr_of(&sums, s), 0, 8 * chunks.len(), stream).map_err(err("zeroing the checksums"))?;
         }
+        // Ids are checked against both arrays' extents on the host before the copy engines see them
+        // (the kernel path checks them on the device).
+        let in_range =
+            chunks.iter().all(|(src, dst)| src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
         let (src_num, dst_num) = (chunks[0].0.num_blocks, chunks[0].1.num_blocks);
-        let copy = KvSegments {
-            segments: &segments,
-            table: table.slice(0..tl),
-            src_ids: ids.slice(0..total),
-            src_num_blocks: src_num,
-            dst_ids: Some(ids.slice(total..2 * total)),
-            dst_num_blocks: dst_num,
-            block_bytes: block_bytes as u64,
-            checksums: None,
+        let verify_group = |g: usize, range: &std::ops::Range<usize>, sums: cudarc::driver::CudaViewMut<'_, u64>| -> Result<()> {
+            let (a, b) = (starts[range.start], starts[range.end]);
+            let check = KvSegments {
+                segments: &verify[range.clone()],
+                table: table.slice(verify_tables[g].clone()),
+                src_ids: ids.slice(total + a..total + b),
+                src_num_blocks: dst_num,
+                dst_ids: None,
+                dst_num_blocks: 0,
+                block_bytes: block_bytes as u64,
+                checksums: Some(sums),
+            };
+            // SAFETY: every destination is a layer of this connector's pool whose blocks the transfer
+            // claims; the table is `kv_segment_table` of these segments; ids, table and sums live in
+            // the pull state, whose slot stays the caller's until the event completed; the pass only
+            // reads the blocks.
+            unsafe { kv_copy_segments(&self.gpu, s, check) }.map_err(|e| gpu_err("launching the KV verification", e))
         };
-        // The bytes move on the copy engines (one batched call over the chunks' contiguous runs),
-        // which read a peer GPU faster than kernels do and leave the SMs to the verification; where
-        // the driver lacks the batched call, or refuses it, the copy kernel moves them instead.
-        let mut copied = false;
-        if p.engines && let Some(batch_copy) = batch_copy_fn() {
-            let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
-            for (src, dst) in chunks {
-                let bb = block_bytes as u64;
-                for (k, (&a, &b)) in src.ids.iter().zip(dst.ids).enumerate() {
-                    let contiguous = k > 0 && a == src.ids[k - 1].wrapping_add(1) && b == dst.ids[k - 1].wrapping_add(1);
-                    if contiguous && let Some(last) = sizes.last_mut() {
-                        *last += block_bytes;
-                    } else {
-                        srcs.push(src.base + u64::from(a) * bb);
-                        dsts.push(dst.base + u64::from(b) * bb);
-                        sizes.push(block_bytes);
-                    }
-                }
+        let corrupt_in = |range: &std::ops::Range<usize>| -> Result<()> {
+            if let Some(k) = corrupt.filter(|k| range.contains(k))
+                && let Some(&last) = chunks[k].1.ids.last()
+            {
+                s.synchronize().map_err(err("waiting for the KV pull"))?;
+                flip_byte(chunks[k].1.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
             }
-            // Ids were checked against both arrays' extents on the host before the copy engines
-            // see them (the kernel path checks them on the device).
-            let in_range = chunks.iter().all(|(src, dst)| {
-                src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks)
-            });
-            if in_range {
-                let location = cudarc::driver::sys::CUmemLocation {
-                    type_: cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: self.gpu.ordinal() as i32,
-                };
-                let mut attrs = cudarc::driver::sys::CUmemcpyAttributes {
-                    srcAccessOrder: cudarc::driver::sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                    srcLocHint: location,
-                    dstLocHint: location,
-                    flags: 0,
-                };
-                let mut attr_idx = [0usize];
-                // SAFETY: `dsts[i]`, `srcs[i]`, `sizes[i]` describe whole blocks inside the two pools'
-                // layers (ids checked against both extents just above), valid as for the kernel
-                // below; the arrays live across the call (the driver reads them during it).
-                let r = unsafe {
-                    batch_copy(
-                        dsts.as_mut_ptr(),
-                        srcs.as_mut_ptr(),
-                        sizes.as_mut_ptr(),
-                        sizes.len(),
-                        &mut attrs,
-                        attr_idx.as_mut_ptr(),
-                        1,
-                        stream,
-                    )
-                };
-                match r.result() {
+            Ok(())
+        };
+        let slot_sums = |range: &std::ops::Range<usize>| slot * PULL_BATCH + range.start..slot * PULL_BATCH + range.end;
+        let mut pushed = false;
+        if let Some(from) = push.as_ref().filter(|_| in_range) {
+            // The source GPU's lane: a stream of its context and an event per group of each slot.
+            let lane = match p.lanes.entry(from.device) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(Lane::new(from.device)?),
+            };
+            for (g, range) in groups.iter().enumerate() {
+                let group: Vec<(u64, Blocks<'_>, Blocks<'_>)> = range.clone().map(|k| (from.src_bases[k], chunks[k].0, chunks[k].1)).collect();
+                let (mut dsts, mut srcs, mut sizes) = engine_runs(&group, block_bytes);
+                lane.ctx.bind_to_thread().map_err(err("binding the source GPU's context"))?;
+                let r = batch_copy(&mut dsts, &mut srcs, &mut sizes, from.device, own, lane.stream.cu_stream());
+                s.context().bind_to_thread().map_err(err("binding the context"))?;
+                if let Err(e) = r {
+                    if g == 0 {
+                        // Nothing moved yet: this batch (and every later one) is pulled instead.
+                        tracing::warn!(error = %e, from = from.device, to = own, "KV pull: the source GPU's copy engines refused the push; pulling from now on");
+                        p.push_failed = true;
+                        break;
+                    }
+                    return Err(gpu_err("pushing KV blocks from the source GPU", e));
+                }
+                let event = &lane.events[slot * MAX_PUSH_GROUPS + g];
+                event.record(&lane.stream).map_err(err("recording the push's event"))?;
+                s.wait(event).map_err(err("waiting for the push"))?;
+                corrupt_in(range)?;
+                verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
+                crate::transport::kv_trace!("ipc push of {} chunks enqueued (group {g})", range.len());
+                pushed = true;
+            }
+        }
+        if !pushed {
+            let copy = KvSegments {
+                segments: &segments,
+                table: table.slice(0..tl),
+                src_ids: ids.slice(0..total),
+                src_num_blocks: src_num,
+                dst_ids: Some(ids.slice(total..2 * total)),
+                dst_num_blocks: dst_num,
+                block_bytes: block_bytes as u64,
+                checksums: None,
+            };
+            // The bytes move on this GPU's copy engines (one batched call over the chunks' contiguous
+            // runs), which read a peer GPU faster than kernels do and leave the SMs to the
+            // verification; where the driver lacks the batched call, or refuses it, the copy kernel
+            // moves them instead.
+            let mut copied = false;
+            if p.engines && in_range && batch_copy_fn().is_some() {
+                let pulled: Vec<(u64, Blocks<'_>, Blocks<'_>)> = chunks.iter().map(|(a, b)| (a.base, *a, *b)).collect();
+                let (mut dsts, mut srcs, mut sizes) = engine_runs(&pulled, block_bytes);
+                match batch_copy(&mut dsts, &mut srcs, &mut sizes, own, own, stream) {
                     Ok(()) => copied = true,
                     Err(e) => {
                         tracing::warn!(error = %e, "KV pull: the copy engines' batched copy failed; copying with kernels from now on");
@@ -412,40 +448,25 @@ impl DeviceKv {
                     }
                 }
             }
+            if !copied {
+                // SAFETY: every source base is a layer of a live mapping (or this process's memory)
+                // of the sender's pool, which the sender keeps claimed until we acknowledge the pull;
+                // every destination is a layer of this connector's pool whose blocks the transfer
+                // claims; the table is `kv_segment_table(segments)`; ids, table and sums live in `p`,
+                // whose slot stays the caller's until the event completed.
+                unsafe { kv_copy_segments(&self.gpu, s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
+            }
+            for (g, range) in groups.iter().enumerate() {
+                corrupt_in(range)?;
+                verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
+            }
         }
-        if !copied {
-            // SAFETY: every source base is a layer of a live mapping (or this process's memory) of
-            // the sender's pool, which the sender keeps claimed until we acknowledge the pull; every
-            // destination is a layer of this connector's pool whose blocks the transfer claims; the
-            // table is `kv_segment_table(segments)`; ids, table and sums live in `p`, whose slot
-            // stays the caller's until the event completed.
-            unsafe { kv_copy_segments(&self.gpu, &s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
-        }
-        if let Some(k) = corrupt
-            && let Some((_, dst)) = chunks.get(k)
-            && let Some(&last) = dst.ids.last()
-        {
-            s.synchronize().map_err(err("waiting for the KV pull"))?;
-            flip_byte(dst.base + u64::from(last) * block_bytes as u64 + (block_bytes as u64) / 2)?;
-        }
-        let check = KvSegments {
-            segments: &verify,
-            table: table.slice(tl..2 * tl),
-            src_ids: ids.slice(total..2 * total),
-            src_num_blocks: dst_num,
-            dst_ids: None,
-            dst_num_blocks: 0,
-            block_bytes: block_bytes as u64,
-            checksums: Some(p.sums.slice_mut(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len())),
-        };
-        // SAFETY: as above; the verification only reads the destination blocks.
-        unsafe { kv_copy_segments(&self.gpu, &s, check) }.map_err(|e| gpu_err("launching the KV verification", e))?;
         // SAFETY: the slot's pinned sums stay untouched by the host until the event completed.
         let out = unsafe { std::slice::from_raw_parts_mut(p.host.sums().add(slot * PULL_BATCH), chunks.len()) };
         let sums = p.sums.slice(slot * PULL_BATCH..slot * PULL_BATCH + chunks.len());
         // SAFETY: `out` is pinned host memory of the slot (see above), `sums` its device counters.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, addr_of(&sums, &s), stream) }.map_err(err("reading the checksums"))?;
-        p.events[slot].record(&s).map_err(err("recording the pull's event"))?;
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, addr_of(&sums, s), stream) }.map_err(err("reading the checksums"))?;
+        p.events[slot].record(s).map_err(err("recording the pull's event"))?;
         Ok(PullEvent {
             event: p.events[slot].cu_event() as usize,
             sums: p.host.sums() as usize + slot * PULL_BATCH * 8,
@@ -453,6 +474,64 @@ impl DeviceKv {
             block_bytes,
         })
     }
+}
+
+/// Where a pull's bytes come from when the sender's GPU pushes them: that GPU, and each chunk's
+/// source layer base as an address of that GPU's context in this process.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PushFrom<'a> {
+    pub(crate) device: i32,
+    pub(crate) src_bases: &'a [u64],
+}
+
+/// Chunks per verification launch of a push (the last group's verification is what a transfer
+/// waits for after its last byte landed: small groups keep that short).
+const PUSH_GROUP: usize = 4;
+const MAX_PUSH_GROUPS: usize = PULL_BATCH.div_ceil(PUSH_GROUP);
+/// Staged ids per pull slot (sources, then destinations).
+const IDS_STRIDE: usize = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
+/// Staged table words per pull slot: the copy's table (3 per chunk + 1), then the verification
+/// groups' tables (3 per chunk + 1 per group).
+const TABLE_STRIDE: usize = 6 * PULL_BATCH + 2 * MAX_PUSH_GROUPS + 2;
+
+/// The copy engines' runs of a batch: each chunk's `(source base, source, destination)` blocks as
+/// `(destination addresses, source addresses, sizes)`, neighbouring blocks merged.
+fn engine_runs(chunks: &[(u64, Blocks<'_>, Blocks<'_>)], block_bytes: usize) -> (Vec<u64>, Vec<u64>, Vec<usize>) {
+    let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::<usize>::new());
+    let bb = block_bytes as u64;
+    for (src_base, src, dst) in chunks {
+        for (k, (&a, &b)) in src.ids.iter().zip(dst.ids).enumerate() {
+            let contiguous = k > 0 && a == src.ids[k - 1].wrapping_add(1) && b == dst.ids[k - 1].wrapping_add(1);
+            if contiguous && let Some(last) = sizes.last_mut() {
+                *last += block_bytes;
+            } else {
+                srcs.push(src_base + u64::from(a) * bb);
+                dsts.push(dst.base + u64::from(b) * bb);
+                sizes.push(block_bytes);
+            }
+        }
+    }
+    (dsts, srcs, sizes)
+}
+
+/// One batched copy-engine call on `stream` (of the current context): `sizes[i]` bytes from
+/// `srcs[i]` (on GPU `from`) to `dsts[i]` (on GPU `to`).
+fn batch_copy(dsts: &mut [u64], srcs: &mut [u64], sizes: &mut [usize], from: i32, to: i32, stream: cudarc::driver::sys::CUstream) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let Some(f) = batch_copy_fn() else {
+        return Err(cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_SUPPORTED));
+    };
+    let at = |id: i32| cudarc::driver::sys::CUmemLocation { type_: cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id };
+    let mut attrs = cudarc::driver::sys::CUmemcpyAttributes {
+        srcAccessOrder: cudarc::driver::sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: at(from),
+        dstLocHint: at(to),
+        flags: 0,
+    };
+    let mut attr_idx = [0usize];
+    // SAFETY: the callers pass runs of whole blocks inside live pools (ids checked against both
+    // extents), claimed by the transfer; the three arrays are as long as each other and live across
+    // the call (the driver reads them during it).
+    unsafe { f(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), sizes.len(), &mut attrs, attr_idx.as_mut_ptr(), 1, stream) }.result()
 }
 
 /// `cuMemcpyBatchAsync` (CUDA 13 prototype), looked up without panicking where the driver lacks
@@ -538,7 +617,7 @@ fn flip_byte(at: u64) -> Result<()> {
 
 /// The receiver's pull state: a stream of its own (so a pull never waits behind the sender-side
 /// checksums of the same connector, nor they behind it), and `PULL_SLOTS` slots of staged ids, a
-/// checksum counter and an event each.
+/// checksum counter and an event each; plus a lane per GPU that pushes to this one.
 struct Pull {
     // Field order is drop order: the pinned staging goes first (it waits for the context's work).
     host: Pinned,
@@ -549,26 +628,58 @@ struct Pull {
     events: Vec<cudarc::driver::CudaEvent>,
     /// Whether pulls still try the copy engines (off after the driver refused once).
     engines: bool,
+    /// Source GPUs' lanes, by ordinal (made on a push from that GPU).
+    lanes: HashMap<i32, Lane>,
+    /// Whether a source GPU's copy engines refused a push once (pulls only from then on).
+    push_failed: bool,
 }
 
 impl Pull {
     fn new(ctx: &Arc<CudaContext>) -> Result<Pull> {
         use cudarc::driver::sys::CUevent_flags;
         let stream = ctx.new_stream().map_err(err("creating the pull stream"))?;
-        let ids_stride = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
-        let table_stride = 2 * (3 * PULL_BATCH + 1);
-        let ids = stream.alloc_zeros::<u32>(PULL_SLOTS * ids_stride).map_err(err("allocating block ids"))?;
-        let table = stream.alloc_zeros::<u64>(PULL_SLOTS * table_stride).map_err(err("allocating segment tables"))?;
+        let ids = stream.alloc_zeros::<u32>(PULL_SLOTS * IDS_STRIDE).map_err(err("allocating block ids"))?;
+        let table = stream.alloc_zeros::<u64>(PULL_SLOTS * TABLE_STRIDE).map_err(err("allocating segment tables"))?;
         let sums = stream.alloc_zeros::<u64>(PULL_SLOTS * PULL_BATCH).map_err(err("allocating checksums"))?;
-        let (ids_bytes, table_bytes) = (PULL_SLOTS * ids_stride * 4, PULL_SLOTS * table_stride * 8);
+        let (ids_bytes, table_bytes) = (PULL_SLOTS * IDS_STRIDE * 4, PULL_SLOTS * TABLE_STRIDE * 8);
         let host = Pinned::new(ctx, ids_bytes + table_bytes + PULL_SLOTS * PULL_BATCH * 8, ids_bytes, ids_bytes + table_bytes)?;
         let events = (0..PULL_SLOTS)
             .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(err("creating events"))?;
         stream.synchronize().map_err(err("preparing the pull stream"))?;
-        Ok(Pull { host, stream, ids, table, sums, events, engines: true })
+        Ok(Pull { host, stream, ids, table, sums, events, engines: true, lanes: HashMap::new(), push_failed: false })
     }
+}
+
+/// A source GPU's side of pushes into this connector's pool: a stream of that GPU's context (its
+/// copy engines write our blocks) and an event per verification group of each pull slot, which
+/// the pull stream waits on before it verifies the group.
+struct Lane {
+    // Events before the stream (drop order); both belong to `ctx`.
+    events: Vec<cudarc::driver::CudaEvent>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+impl Lane {
+    fn new(device: i32) -> Result<Lane> {
+        use cudarc::driver::sys::CUevent_flags;
+        let ctx = context(device)?;
+        let stream = ctx.new_stream().map_err(err("creating the source GPU's push stream"))?;
+        let events = (0..PULL_SLOTS * MAX_PUSH_GROUPS)
+            .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(err("creating push events"))?;
+        Ok(Lane { events, stream, ctx })
+    }
+}
+
+/// Whether receivers let a sender's GPU push (`TANDEM_KV_NO_PUSH=1` turns it off, so a run can
+/// compare pushes with pulls).
+pub(crate) fn push_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NO_PUSH").is_none())
 }
 
 /// Page-locked host memory (so copies to and from it are truly asynchronous): staged ids, then

@@ -7,7 +7,12 @@
 //! where its blocks lie (layer and block ids in its pool) and goes on to the next chunk at once;
 //! the receiver's inbox names the destination blocks, and the receiver enqueues, on a stream of its
 //! own, the copy kernel (sender's blocks → its blocks) and behind it the verification pass over the
-//! destination blocks, and reads the next message. A completion thread waits for each chunk's
+//! destination blocks, and reads the next message. When the sender's pool lies on another GPU, the
+//! receiver has that GPU push instead: it opens the pool a second time in that GPU's context (its
+//! own process, so no peer process is involved), enqueues the copy on a stream there (that GPU's
+//! copy engines write our blocks over NVLink/PCIe — remote writes run at the link's rate, remote
+//! reads well below it) and has its own stream wait on an event recorded behind each group of
+//! chunks before it verifies them; `TANDEM_KV_NO_PUSH=1` keeps pulls. A completion thread waits for each chunk's
 //! event in order and reports the payload landed with the destination's checksum, which the
 //! connector core compares with the sender's before anything is reported; acknowledgements tell
 //! the sender which chunks' memory is no longer read.
@@ -17,7 +22,8 @@
 //!
 //! Invariants (besides those of every transport):
 //! - Payloads only flow from the side that connected (the sender) to the side that accepted; the
-//!   receiver's kernels are the only writers of its pool, and write only the blocks its inbox named.
+//!   copies and kernels the receiver enqueues (on its GPU, or on the sender's GPU's copy engines)
+//!   are the only writers of its pool, and write only the blocks its inbox named.
 //! - A sender keeps each payload (and the claim on its blocks) until the receiver acknowledged the
 //!   pull, or the link closed.
 //! - A peer's mapping lives as long as the link and every pull still running from it; a receiver
@@ -41,7 +47,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::core::lock;
-use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent};
+use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
@@ -101,6 +107,16 @@ struct PeerPool {
     layer_bases: Vec<u64>,
     num_blocks: u32,
     block_bytes: u64,
+    /// The pool on another GPU whose copy engines can write ours: pulls are pushes from there.
+    push: Option<PushSource>,
+}
+
+/// A sender's pool as that GPU's own context in this process addresses it (a second mapping, opened
+/// there, for another process's pool), so its copy engines can push from it.
+struct PushSource {
+    device: i32,
+    layer_bases: Vec<u64>,
+    _mapping: Option<tandem_kernels::cuda::IpcMapping>,
 }
 
 /// A batch of pulls in flight, waited for by the completion thread.
@@ -376,22 +392,34 @@ impl CudaIpcTransport {
             }
             offsets.push(off);
         }
-        let (mapping, local, mapped) = if pid == std::process::id() {
+        let own = self.ordinal;
+        let (mapping, local, mapped, push) = if pid == std::process::id() {
             // CUDA refuses to open a handle in the process that exported it: the sender's own
             // addresses serve (its memory kept alive through the registry), and if its pool lies on
             // another GPU, this GPU's kernels need peer access to it (another process's mapping gets
-            // it from the lazy flag of the open).
+            // it from the lazy flag of the open), and that GPU's copy engines push into ours.
             let local = lock(local_pools()).get(&base).and_then(Weak::upgrade).ok_or("the sender's pool is gone")?;
-            let theirs = crate::device::device_of(self.ordinal, base).map_err(|e| e.to_string())?;
-            crate::device::enable_peer_access(self.ordinal, theirs).map_err(|e| e.to_string())?;
-            (None, Some(local), base)
+            let theirs = crate::device::device_of(own, base).map_err(|e| e.to_string())?;
+            crate::device::enable_peer_access(own, theirs).map_err(|e| e.to_string())?;
+            let push = pusher(theirs, own, || Ok((None, base)));
+            (None, Some(local), base, push)
         } else {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
                 .map_err(|e| format!("opening the sender's pool (cuIpcOpenMemHandle): {e}"))?;
             let p = m.ptr();
-            (Some(m), None, p)
+            let push = match crate::device::device_of(own, p) {
+                Ok(theirs) => pusher(theirs, own, || {
+                    let ctx = crate::device::context(theirs).map_err(|e| e.to_string())?;
+                    let m = tandem_kernels::cuda::IpcMapping::open(&ctx, &handle).map_err(|e| e.to_string())?;
+                    let at = m.ptr();
+                    Ok((Some(m), at))
+                }),
+                Err(_) => None,
+            };
+            (Some(m), None, p, push)
         };
-        Ok(PeerPool { _mapping: mapping, _local: local, layer_bases: offsets.iter().map(|o| mapped + o).collect(), num_blocks, block_bytes })
+        let push = push.map(|(device, mapping, at)| PushSource { device, layer_bases: offsets.iter().map(|o| at + o).collect(), _mapping: mapping });
+        Ok(PeerPool { _mapping: mapping, _local: local, layer_bases: offsets.iter().map(|o| mapped + o).collect(), num_blocks, block_bytes, push })
     }
 
     /// Enqueues a batch of announced chunks as one pull; the completion thread reports it. On
@@ -420,10 +448,14 @@ impl CudaIpcTransport {
                 Blocks { base: self.memory.layer_base(r.dst_layer) as u64, num_blocks: self.memory.num_blocks(), ids: &r.dst_ids },
             ));
         }
+        // (Layers out of range were refused above.)
+        let push_bases: Option<Vec<u64>> =
+            pool.push.as_ref().and_then(|p| batch.iter().map(|r| p.layer_bases.get(r.src_layer as usize).copied()).collect());
+        let push = pool.push.as_ref().zip(push_bases.as_deref()).map(|(p, src_bases)| PushFrom { device: p.device, src_bases });
         let corrupt = batch.iter().position(|r| r.corrupt);
         let slot = lock(&self.pulls.free_slots).pop().ok_or("no free pull slot")?;
         super::kv_trace!("ipc batch of {} enqueueing", batch.len());
-        let pull = match self.device.pull(slot, &chunks, bb, corrupt) {
+        let pull = match self.device.pull(slot, &chunks, bb, corrupt, push) {
             Ok(p) => p,
             Err(e) => {
                 lock(&self.pulls.free_slots).push(slot);
@@ -450,6 +482,30 @@ impl CudaIpcTransport {
         // The completion thread is gone (shutdown): report here, after waiting for the kernels.
         self.pulls.finish(job);
         Ok(())
+    }
+}
+
+/// Whether the GPU `theirs` holding a sender's pool can push into GPU `own`'s (another GPU, peer
+/// access from it to ours, and `open` addressing the pool in its context): `(theirs, the
+/// mapping if one was opened, the pool's base there)`, or `None` (pulls read it from here).
+fn pusher(
+    theirs: i32,
+    own: i32,
+    open: impl FnOnce() -> std::result::Result<(Option<tandem_kernels::cuda::IpcMapping>, u64), String>,
+) -> Option<(i32, Option<tandem_kernels::cuda::IpcMapping>, u64)> {
+    if theirs == own || !crate::device::push_enabled() {
+        return None;
+    }
+    let opened = crate::device::enable_peer_access(theirs, own).map_err(|e| e.to_string()).and_then(|()| open());
+    match opened {
+        Ok((mapping, at)) => {
+            tracing::debug!(from = theirs, to = own, "cuda-ipc: the sender's GPU pushes KV into ours");
+            Some((theirs, mapping, at))
+        }
+        Err(e) => {
+            tracing::info!(from = theirs, to = own, error = %e, "cuda-ipc: the sender's GPU cannot push into ours; pulling");
+            None
+        }
     }
 }
 

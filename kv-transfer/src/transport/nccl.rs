@@ -6,13 +6,16 @@
 //! receiver checks them (two different GPUs, the same NCCL major.minor), creates the rendezvous
 //! (`ncclGetUniqueId`, rank 0) and answers with its own; both ends then create the communicator in
 //! the background (nonblocking `ncclCommInitRankConfig`, bounded) while the connector's handshake
-//! runs, and allocate one staging buffer of `MAX_CHUNK_BLOCKS` blocks each. Per chunk: the sender
-//! announces the frame and gathers its (scattered) blocks into its staging buffer with the copy
-//! kernel; the receiver's inbox names the destination blocks, the receiver answers "go", posts
-//! `ncclRecv` into its staging buffer, the sender `ncclSend`s the chunk, waits, and reports; once
-//! both the bytes and the report arrived, the receiver scatters the staging buffer into the
-//! destination blocks and reports the payload written. The connector core then verifies the
-//! chunk's checksum on the receiver's GPU before anything is reported.
+//! runs, and allocate one staging buffer each (64 MiB, or one chunk if more). Chunks go in batches:
+//! the chunks the connector hands over at once (the layers ready together), as many as fit the
+//! staging buffer (at most 32). Per batch: the sender announces the frames in one message and
+//! gathers their (scattered) blocks back to back into its staging buffer (one device pull); the
+//! receiver's inbox names each chunk's destination blocks, the receiver answers "go", posts one
+//! `ncclRecv` into its staging buffer, the sender `ncclSend`s the batch, waits, and reports; once
+//! both the bytes and the report arrived, the receiver scatters the chunks it wants into their
+//! blocks and sums each chunk's destination blocks in the same device pull, and reports them
+//! landed with those sums, which the connector core compares with the sender's before anything
+//! is reported.
 //!
 //! Endpoint: `nccl://HOST:PORT` (the control channel; NCCL's own bootstrap and data connections
 //! are NCCL's: `NCCL_SOCKET_IFNAME` and friends choose their interfaces).
@@ -20,10 +23,10 @@
 //! Invariants (besides those of every transport):
 //! - Payloads only flow from the side that connected (the sender) to the side that accepted.
 //! - Every posted receive is matched by one send of the same length (a sender whose staging failed
-//!   sends its buffer anyway and reports the failure), so the pair's NCCL operations never get out
-//!   of step; a link whose NCCL operation failed is closed, and its communicator aborted.
+//!   sends its buffer anyway and reports the failure; a receiver that wants only some chunks of a
+//!   batch receives all of it), so the pair's NCCL operations never get out of step; a link whose NCCL operation failed is closed, and its communicator aborted.
 //! - NCCL only ever writes the staging buffers; destination blocks are written by the scatter
-//!   kernel alone, after the receive completed and before `on_payload`, so a link closing mid-chunk
+//!   pull alone, after the receive completed and before `on_payload`, so a link closing mid-batch
 //!   needs no grace period: `on_payload` follows at once and the blocks are untouched.
 //! - One NCCL operation at a time per GPU in the process (NCCL forbids issuing operations on
 //!   communicators of one device from several threads at once, and concurrent kernels of different
@@ -49,7 +52,7 @@ use tokio::task::JoinHandle;
 
 use crate::MAX_CHUNK_BLOCKS;
 use crate::core::lock;
-use crate::device::{Blocks, DeviceKv};
+use crate::device::{Blocks, DeviceKv, PULL_SLOTS};
 use crate::error::{Error, Result};
 use crate::memory::{Iov, KvMemory, MemoryKind};
 use crate::transport::link_state::{Closed, LinkState};
@@ -94,6 +97,9 @@ const IDLE: Duration = Duration::from_secs(90);
 const INIT: Duration = Duration::from_secs(60);
 /// Most accepted links open at once (each holds a communicator and a staging buffer on the GPU).
 const MAX_INCOMING: usize = 64;
+/// Bytes of each link's staging buffer on each side (more when one chunk needs more): a batch of
+/// chunks goes through NCCL as one operation of at most this much.
+const STAGING_TARGET: usize = 64 << 20;
 /// Ranks of a link's communicator.
 const RANK_RECEIVER: i32 = 0;
 const RANK_SENDER: i32 = 1;
@@ -125,6 +131,9 @@ pub struct NcclTransport {
     shut: AtomicBool,
     corrupt_every: Option<u64>,
     staged: AtomicU64,
+    /// The device side's pull slots this transport's staging moves use (a permit per move).
+    slots: Arc<tokio::sync::Semaphore>,
+    free_slots: Mutex<Vec<usize>>,
     me: Weak<NcclTransport>,
 }
 
@@ -150,7 +159,9 @@ impl NcclTransport {
             .uuid()
             .map_err(|e| Error::Device(format!("reading GPU {ordinal}'s UUID: {e}")))?;
         let g = memory.geometry();
-        let staging_bytes = (MAX_CHUNK_BLOCKS as usize)
+        // Room for a batch of chunks: STAGING_TARGET, and at least one whole chunk.
+        let staging_blocks = (STAGING_TARGET / g.block_bytes().max(1)).max(MAX_CHUNK_BLOCKS as usize);
+        let staging_bytes = staging_blocks
             .checked_mul(g.block_bytes())
             .ok_or_else(|| Error::Invalid(format!("blocks of {} bytes", g.block_bytes())))?;
         let side = Side {
@@ -190,6 +201,8 @@ impl NcclTransport {
             shut: AtomicBool::new(false),
             corrupt_every: opts.corrupt_every.or_else(super::corrupt_every_from_env),
             staged: AtomicU64::new(0),
+            slots: Arc::new(tokio::sync::Semaphore::new(PULL_SLOTS)),
+            free_slots: Mutex::new((0..PULL_SLOTS).rev().collect()),
             me: me.clone(),
         });
         let me = Arc::downgrade(&transport);
@@ -334,52 +347,70 @@ impl NcclTransport {
         });
     }
 
-    /// Gathers the payload's blocks into the link's staging buffer (the sender's half of a chunk).
-    async fn stage(&self, gpu: &Arc<LinkGpu>, payload: Payload) -> std::result::Result<(), String> {
+    /// Gathers the payloads' blocks into the link's staging buffer, back to back in order (the
+    /// sender's half of a batch).
+    async fn stage(&self, gpu: &Arc<LinkGpu>, payloads: Vec<Payload>) -> std::result::Result<(), String> {
         let bb = self.memory.geometry().block_bytes();
-        let Some((layer, ids)) = self.memory.blocks_of(payload.iovs()) else {
-            return Err("the payload is not whole blocks of one layer of the pool".into());
-        };
-        if ids.len() * bb > gpu.staging.bytes() {
-            return Err(format!("{} blocks exceed a chunk", ids.len()));
-        }
-        let n = self.staged.fetch_add(1, Ordering::Relaxed) + 1;
-        let corrupt = self.corrupt_every.is_some_and(|k| n.is_multiple_of(k));
-        // The payload keeps the source blocks claimed until the gather has run.
-        self.staging_copy(gpu, layer, ids, Staging::Gather { corrupt, _payload: payload }).await
-    }
-
-    /// Scatters the link's staging buffer into blocks `ids` of `layer` (the receiver's last step).
-    async fn unstage(&self, gpu: &Arc<LinkGpu>, layer: u32, ids: Vec<u32>) -> std::result::Result<(), String> {
-        self.staging_copy(gpu, layer, ids, Staging::Scatter).await
-    }
-
-    /// Copies blocks `ids` of `layer` into the staging buffer's first slots, or back out of them.
-    async fn staging_copy(&self, gpu: &Arc<LinkGpu>, layer: u32, ids: Vec<u32>, way: Staging) -> std::result::Result<(), String> {
-        let bb = self.memory.geometry().block_bytes();
-        let (memory, device, gpu) = (Arc::clone(&self.memory), Arc::clone(&self.device), Arc::clone(gpu));
-        tokio::task::spawn_blocking(move || {
-            let slots: Vec<u32> = (0..ids.len() as u32).collect();
-            let pool = Blocks { base: memory.layer_base(layer) as u64, num_blocks: memory.num_blocks(), ids: &ids };
-            let staging = Blocks { base: gpu.staging.ptr(), num_blocks: MAX_CHUNK_BLOCKS, ids: &slots };
-            let copied = match &way {
-                Staging::Gather { corrupt, .. } => device.copy(pool, staging, bb, *corrupt),
-                Staging::Scatter => device.copy(staging, pool, bb, false),
+        let mut chunks = Vec::with_capacity(payloads.len());
+        let (mut at, mut corrupt) = (0usize, None);
+        for (i, payload) in payloads.iter().enumerate() {
+            let Some((layer, ids)) = self.memory.blocks_of(payload.iovs()) else {
+                return Err("a payload is not whole blocks of one layer of the pool".into());
             };
-            drop(way); // a gather's source blocks are not read any more
-            copied.map(|_| ()).map_err(|e| e.to_string())
+            let n = self.staged.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.corrupt_every.is_some_and(|k| n.is_multiple_of(k)) {
+                corrupt = Some(i);
+            }
+            let count = ids.len();
+            chunks.push((layer, ids, at as u32));
+            at += count;
+        }
+        if at * bb > gpu.staging.bytes() {
+            return Err(format!("{at} blocks exceed the staging buffer"));
+        }
+        // The payloads keep the source blocks claimed until the gather has run.
+        let moved = self.staging_move(gpu, chunks, true, corrupt).await;
+        drop(payloads);
+        moved.map(|_| ())
+    }
+
+    /// Moves chunks `(layer, block ids, first staging block)` between the pool and the link's
+    /// staging buffer on the device, in one pull of the device side: pool → staging (`gather`,
+    /// the sender; `corrupt` names a chunk that gets one byte flipped in staging, the integrity
+    /// test hook) or staging → pool (the receiver). Returns each chunk's checksum of its
+    /// destination blocks as they are afterwards.
+    async fn staging_move(
+        &self,
+        gpu: &Arc<LinkGpu>,
+        chunks: Vec<(u32, Vec<u32>, u32)>,
+        gather: bool,
+        corrupt: Option<usize>,
+    ) -> std::result::Result<Vec<u64>, String> {
+        let bb = self.memory.geometry().block_bytes();
+        let permit = Arc::clone(&self.slots).acquire_owned().await.map_err(|_| "transport shut down".to_string())?;
+        let slot = lock(&self.free_slots).pop().ok_or("no free staging slot")?;
+        let (memory, device, gpu) = (Arc::clone(&self.memory), Arc::clone(&self.device), Arc::clone(gpu));
+        let moved = tokio::task::spawn_blocking(move || {
+            let staging_blocks = (gpu.staging.bytes() / bb) as u32;
+            let slots: Vec<Vec<u32>> = chunks.iter().map(|(_, ids, at)| (*at..*at + ids.len() as u32).collect()).collect();
+            let pairs: Vec<(Blocks<'_>, Blocks<'_>)> = chunks
+                .iter()
+                .zip(&slots)
+                .map(|((layer, ids, _), slots)| {
+                    let pool = Blocks { base: memory.layer_base(*layer) as u64, num_blocks: memory.num_blocks(), ids };
+                    let staging = Blocks { base: gpu.staging.ptr(), num_blocks: staging_blocks, ids: slots };
+                    if gather { (pool, staging) } else { (staging, pool) }
+                })
+                .collect();
+            let pull = device.pull(slot, &pairs, bb, corrupt, None).map_err(|e| e.to_string())?;
+            pull.wait(&device).map_err(|e| e.to_string())
         })
         .await
-        .unwrap_or_else(|e| Err(e.to_string()))
+        .unwrap_or_else(|e| Err(e.to_string()));
+        lock(&self.free_slots).push(slot);
+        drop(permit);
+        moved
     }
-}
-
-/// Which way a staging copy goes.
-enum Staging {
-    /// Pool → staging (sender), holding the payload's claim; `corrupt` is the test hook.
-    Gather { corrupt: bool, _payload: Payload },
-    /// Staging → pool (receiver).
-    Scatter,
 }
 
 impl Transport for NcclTransport {
@@ -640,59 +671,84 @@ impl NcclLink {
         Ok(())
     }
 
-    /// One message (sender side with a payload: announce, gather, wait for the go-ahead, send,
-    /// report).
-    async fn send_message(&self, header: Vec<u8>, payload: Payload) -> Result<()> {
+    /// Messages (sender side), in order: those without payload as they are, runs of those with
+    /// one as batches (as many as the staging buffer and [`wire::MAX_BATCH`] allow), each one
+    /// exchange: announce, gather, wait for the go-ahead, one send, report.
+    async fn send_messages(&self, messages: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         let mut guard = self.writer.lock().await;
         let Some(wr) = guard.as_mut() else {
             return Err(self.link_err("link closed"));
         };
-        let msg = Control::Msg {
-            payload_len: payload.len(),
-            header,
-        };
-        if payload.is_empty() {
-            return self.write(wr, &msg).await;
+        let capacity = self.transport.upgrade().map_or(0, |t| t.staging_bytes as u64);
+        let mut group: Vec<(Vec<u8>, Payload)> = Vec::new();
+        let mut bytes = 0u64;
+        for (header, payload) in messages {
+            let full = !group.is_empty() && (payload.is_empty() || bytes + payload.len() > capacity || group.len() == wire::MAX_BATCH);
+            if full {
+                self.send_group(wr, std::mem::take(&mut group)).await?;
+                bytes = 0;
+            }
+            if payload.is_empty() {
+                self.write(wr, &Control::Msg { payload_len: 0, header }).await?;
+            } else {
+                bytes += payload.len();
+                group.push((header, payload));
+            }
         }
+        if !group.is_empty() {
+            self.send_group(wr, group).await?;
+        }
+        Ok(())
+    }
+
+    /// One batch of messages with payloads (see [`NcclLink::send_messages`]).
+    async fn send_group(&self, wr: &mut OwnedWriteHalf, group: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         let (Some(t), true) = (self.transport.upgrade(), self.sender_side) else {
             return Err(Error::Unsupported {
                 backend: "nccl".into(),
                 what: "payloads from the accepting side".into(),
             });
         };
-        let bytes = payload.len() as usize;
+        let bytes: u64 = group.iter().map(|(_, p)| p.len()).sum();
+        if bytes > t.staging_bytes as u64 {
+            return Err(Error::Invalid(format!("a {bytes}-byte payload exceeds the nccl staging buffer")));
+        }
+        let (items, payloads): (Vec<(u64, Vec<u8>)>, Vec<Payload>) = group.into_iter().map(|(h, p)| ((p.len(), h), p)).unzip();
         // From the announcement to the report the pair's NCCL operations are in step: abandoning
-        // the chunk anywhere in between (deadline, failure) closes the link.
+        // the batch anywhere in between (deadline, failure) closes the link.
         let mut torn = self.state.torn_guard();
         let (tx, rx) = oneshot::channel();
         *lock(&self.go) = Some(tx);
-        wire::write(wr, &msg)
+        wire::write(wr, &Control::Batch(items))
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
         let gpu = self.ready_gpu().await.map_err(|e| self.link_err(e))?;
         // Gather while the receiver gets ready.
-        let staged = t.stage(&gpu, payload).await;
+        let n = payloads.len();
+        let staged = t.stage(&gpu, payloads).await;
+        super::kv_trace!("nccl batch of {n} ({bytes} bytes) gathered");
         let go = rx
             .await
             .map_err(|_| self.link_err("link closed before the receiver answered"))?;
         if !go {
             torn.disarm();
-            return Ok(()); // the receiver drops this payload: nothing goes through NCCL
+            return Ok(()); // the receiver drops these payloads: nothing goes through NCCL
         }
         let turn = gpu_turn(gpu.ordinal).lock_owned().await;
         let (g, closing) = (Arc::clone(&gpu), self.closing.clone());
         tokio::task::spawn_blocking(move || {
             let _turn = turn;
-            g.transfer(Dir::Send, bytes, &closing)
+            g.transfer(Dir::Send, bytes as usize, &closing)
         })
         .await
         .unwrap_or_else(|e| Err(e.to_string()))
-        .map_err(|e| self.link_err(format!("sending a chunk through NCCL: {e}")))?;
+        .map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
+        super::kv_trace!("nccl batch of {n} sent");
         wire::write(wr, &Control::Sent(staged.clone()))
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
         torn.disarm();
-        staged.map_err(|e| Error::Device(format!("staging a chunk for NCCL: {e}")))
+        staged.map_err(|e| Error::Device(format!("staging chunks for NCCL: {e}")))
     }
 
     /// A control message from the receiving side.
@@ -715,7 +771,11 @@ impl Link for NcclLink {
     }
 
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, Result<()>> {
-        Box::pin(self.state.guarded(self.send_message(header, payload)))
+        Box::pin(self.state.guarded(self.send_messages(vec![(header, payload)])))
+    }
+
+    fn send_batch(&self, messages: Vec<(Vec<u8>, Payload)>) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.state.guarded(self.send_messages(messages)))
     }
 
     fn close(&self) {
@@ -797,44 +857,52 @@ impl Reader {
                     Ok(())
                 }
             },
-            Control::Msg { .. } if sender_side => Err("payload from the accepting side".into()),
-            Control::Msg {
-                payload_len,
-                header,
-            } => {
-                // A payload waits for the communicator before the inbox hears of it: the connector
-                // then counts only the bytes' movement as the chunk's, not the communicator's
+            Control::Msg { .. } => Err("a payload announced outside a batch".into()),
+            Control::Batch(_) if sender_side => Err("payload from the accepting side".into()),
+            Control::Batch(items) => {
+                // A batch waits for the communicator before the inbox hears of it: the connector
+                // then counts only the bytes' movement as the chunks', not the communicator's
                 // creation (a transfer's deadline never closes the link over it).
                 let gpu = tokio::select! {
                     g = self.link.ready_gpu() => g?,
                     _ = closed.wait_for(|c| *c != Closed::Open) => return Err("link closed".into()),
                 };
-                match self.inbox.on_message(link, &header, payload_len) {
-                    Delivery::CloseLink(reason) => Err(reason),
-                    Delivery::Discard => self
-                        .link
-                        .reply(&Control::Go(false))
-                        .await
-                        .map_err(|e| e.to_string()),
-                    Delivery::Into { iovs, token } => {
-                        match self.receive(rd, closed, &gpu, payload_len, &iovs).await {
-                            Ok(()) => {
-                                self.inbox.on_payload(link, token, Ok(Landed::default()));
-                                Ok(())
+                let mut wanted: Vec<(usize, u64, Vec<Iov>)> = Vec::new();
+                for (i, (len, header)) in items.iter().enumerate() {
+                    match self.inbox.on_message(link, header, *len) {
+                        Delivery::CloseLink(reason) => {
+                            for (_, token, _) in wanted {
+                                self.inbox.on_payload(link, token, Err(format!("the payload was not written: {reason}")));
                             }
-                            Err(Failure::Payload(reason)) => {
-                                self.inbox.on_payload(link, token, Err(reason));
-                                Ok(())
-                            }
-                            Err(Failure::Link(reason)) => {
-                                self.inbox.on_payload(
-                                    link,
-                                    token,
-                                    Err(format!("the payload was not written: {reason}")),
-                                );
-                                Err(reason)
-                            }
+                            return Err(reason);
                         }
+                        Delivery::Discard => {}
+                        Delivery::Into { iovs, token } => wanted.push((i, token, iovs)),
+                    }
+                }
+                if wanted.is_empty() {
+                    return self.link.reply(&Control::Go(false)).await.map_err(|e| e.to_string());
+                }
+                let lens: Vec<u64> = items.iter().map(|(len, _)| *len).collect();
+                let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
+                match self.receive(rd, closed, &gpu, &lens, wanted).await {
+                    Ok(sums) => {
+                        for (token, sum) in tokens.into_iter().zip(sums) {
+                            self.inbox.on_payload(link, token, Ok(Landed { checksum: Some(sum) }));
+                        }
+                        Ok(())
+                    }
+                    Err(Failure::Payload(reason)) => {
+                        for token in tokens {
+                            self.inbox.on_payload(link, token, Err(reason.clone()));
+                        }
+                        Ok(())
+                    }
+                    Err(Failure::Link(reason)) => {
+                        for token in tokens {
+                            self.inbox.on_payload(link, token, Err(format!("the payload was not written: {reason}")));
+                        }
+                        Err(reason)
                     }
                 }
             }
@@ -849,35 +917,43 @@ impl Reader {
         }
     }
 
-    /// Receives one chunk into the destination `iovs` (the receiver's half). On return nothing
-    /// writes the destination blocks any more.
+    /// Receives a batch of payloads of `lens` bytes (back to back, one NCCL receive) and scatters
+    /// those `wanted` — `(index in the batch, token, destination iovecs)` — into their blocks (the
+    /// receiver's half); returns the checksum of each wanted chunk's destination blocks after the
+    /// scatter, in order. On return nothing writes the destination blocks any more.
     async fn receive(
         &self,
         rd: &mut OwnedReadHalf,
         closed: &mut watch::Receiver<Closed>,
         gpu: &Arc<LinkGpu>,
-        payload_len: u64,
-        iovs: &[Iov],
-    ) -> std::result::Result<(), Failure> {
+        lens: &[u64],
+        wanted: Vec<(usize, u64, Vec<Iov>)>,
+    ) -> std::result::Result<Vec<u64>, Failure> {
         let link = &self.link;
         let t = self
             .transport
             .upgrade()
             .ok_or(Failure::Link("the transport is gone".into()))?;
         let bb = t.memory.geometry().block_bytes() as u64;
-        let located = t
-            .memory
-            .blocks_of(iovs)
-            .filter(|(_, ids)| ids.len() as u64 * bb == payload_len);
-        let Some((layer, ids)) = located else {
-            return Err(Failure::Link(
-                "the destination is not whole blocks of one layer".into(),
-            ));
-        };
-        if payload_len > gpu.staging.bytes() as u64 {
-            return Err(Failure::Link(format!(
-                "a {payload_len}-byte chunk exceeds a staging buffer"
-            )));
+        let total = lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).unwrap_or(u64::MAX);
+        if total > gpu.staging.bytes() as u64 {
+            return Err(Failure::Link(format!("a {total}-byte batch exceeds a staging buffer")));
+        }
+        // Where each payload starts in the staging buffer.
+        let starts: Vec<u64> = lens.iter().scan(0u64, |at, &l| { let s = *at; *at += l; Some(s) }).collect();
+        let mut chunks = Vec::with_capacity(wanted.len());
+        for (i, _, iovs) in &wanted {
+            let len = lens[*i];
+            let located = t
+                .memory
+                .blocks_of(iovs)
+                .filter(|(_, ids)| ids.len() as u64 * bb == len && starts[*i].is_multiple_of(bb));
+            let Some((layer, ids)) = located else {
+                return Err(Failure::Link(
+                    "the destination is not whole blocks of one layer".into(),
+                ));
+            };
+            chunks.push((layer, ids, (starts[*i] / bb) as u32));
         }
         let turn = tokio::select! {
             t = gpu_turn(gpu.ordinal).lock_owned() => t,
@@ -889,7 +965,7 @@ impl Reader {
         let (g, closing) = (Arc::clone(gpu), link.closing.clone());
         let received = tokio::task::spawn_blocking(move || {
             let _turn = turn;
-            g.transfer(Dir::Recv, payload_len as usize, &closing)
+            g.transfer(Dir::Recv, total as usize, &closing)
         });
         let report = tokio::select! {
             m = wire::read(rd) => match m {
@@ -904,13 +980,17 @@ impl Reader {
         }
         let received = received.await.unwrap_or_else(|e| Err(e.to_string()));
         let verdict = report.map_err(Failure::Link)?;
-        received.map_err(|e| Failure::Link(format!("receiving a chunk through NCCL: {e}")))?;
+        received.map_err(|e| Failure::Link(format!("receiving chunks through NCCL: {e}")))?;
         verdict.map_err(|e| {
             Failure::Payload(format!("the sender could not stage the payload: {e}"))
         })?;
-        t.unstage(gpu, layer, ids)
+        super::kv_trace!("nccl batch of {} received", lens.len());
+        let sums = t
+            .staging_move(gpu, chunks, false, None)
             .await
-            .map_err(|e| Failure::Payload(format!("scattering a chunk: {e}")))
+            .map_err(|e| Failure::Payload(format!("scattering chunks: {e}")))?;
+        super::kv_trace!("nccl batch of {} scattered and verified", lens.len());
+        Ok(sums)
     }
 }
 

@@ -7,7 +7,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::ffi::{UNIQUE_ID_BYTES, UniqueId, version_text};
 
 /// Version of this control protocol.
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 /// Largest control message body.
 pub(crate) const MAX_MESSAGE: usize = 64 * 1024;
 /// Longest reason text carried (longer ones are cut at a character boundary).
@@ -19,6 +19,9 @@ const K_REFUSE: u8 = 3;
 const K_MSG: u8 = 4;
 const K_GO: u8 = 5;
 const K_SENT: u8 = 6;
+const K_BATCH: u8 = 7;
+/// Most payload messages in one [`Control::Batch`].
+pub(crate) const MAX_BATCH: usize = 32;
 
 /// What each end states at connect: protocol and NCCL versions, its GPU, its pool's layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,18 +115,22 @@ pub(crate) enum Control {
     Accept(Side, UniqueId),
     /// Receiver → sender: refused, and why.
     Refuse(String),
-    /// Either way: one transport message (a connector frame) announcing `payload_len` bytes
-    /// (only from the sender) that travel through NCCL if the receiver wants them.
+    /// Either way: one transport message without payload (a connector frame); `payload_len` is
+    /// always 0 (payloads travel in batches).
     Msg {
-        /// Payload bytes that follow through NCCL (0: none).
+        /// Payload bytes (0; anything else is a protocol error).
         payload_len: u64,
         /// The connector's frame header.
         header: Vec<u8>,
     },
-    /// Receiver → sender, for a message with a payload: `true` the receive is posted (send it),
-    /// `false` the receiver discards it (send nothing).
+    /// Sender → receiver: up to [`MAX_BATCH`] transport messages whose payloads (each `(payload
+    /// bytes, frame header)`, bytes positive) follow through NCCL as one send, back to back in
+    /// this order, if the receiver wants any of them.
+    Batch(Vec<(u64, Vec<u8>)>),
+    /// Receiver → sender, for a batch: `true` the receive is posted (send it), `false` the
+    /// receiver discards every payload of it (send nothing).
     Go(bool),
-    /// Sender → receiver after its send completed: whether the bytes sent are the payload (`Err`:
+    /// Sender → receiver after its send completed: whether the bytes sent are the payloads (`Err`:
     /// staging failed; the bytes were sent anyway, to keep the pair's NCCL operations matched).
     Sent(Result<(), String>),
 }
@@ -143,6 +150,7 @@ impl Control {
             Control::Accept(..) => K_ACCEPT,
             Control::Refuse(_) => K_REFUSE,
             Control::Msg { .. } => K_MSG,
+            Control::Batch(_) => K_BATCH,
             Control::Go(_) => K_GO,
             Control::Sent(_) => K_SENT,
         }
@@ -164,6 +172,14 @@ impl Control {
             } => {
                 body.extend_from_slice(&payload_len.to_le_bytes());
                 body.extend_from_slice(header);
+            }
+            Control::Batch(items) => {
+                body.extend_from_slice(&(items.len() as u32).to_le_bytes());
+                for (len, header) in items {
+                    body.extend_from_slice(&len.to_le_bytes());
+                    body.extend_from_slice(&(header.len() as u32).to_le_bytes());
+                    body.extend_from_slice(header);
+                }
             }
             Control::Go(ready) => body.push(u8::from(*ready)),
             Control::Sent(Ok(())) => body.push(1),
@@ -197,6 +213,27 @@ impl Control {
                     payload_len,
                     header: r.buf.to_vec(),
                 });
+            }
+            K_BATCH => {
+                let n = r.u32()? as usize;
+                if n == 0 || n > MAX_BATCH {
+                    return Err(format!("a batch of {n} payloads"));
+                }
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let len = r.u64()?;
+                    if len == 0 {
+                        return Err("an empty payload in a batch".into());
+                    }
+                    let header_len = r.u32()? as usize;
+                    if header_len > r.buf.len() {
+                        return Err("nccl control message too short".into());
+                    }
+                    let (header, rest) = r.buf.split_at(header_len);
+                    r.buf = rest;
+                    items.push((len, header.to_vec()));
+                }
+                Control::Batch(items)
             }
             K_GO => match r.u8()? {
                 0 => Control::Go(false),
@@ -305,6 +342,8 @@ mod tests {
                 payload_len: 1 << 24,
                 header: vec![7; 300],
             },
+            Control::Batch(vec![(1 << 23, vec![1; 40])]),
+            Control::Batch(vec![(4096, vec![]), (1 << 20, vec![9; 64]), (7, vec![3])]),
             Control::Go(true),
             Control::Go(false),
             Control::Sent(Ok(())),
@@ -352,6 +391,23 @@ mod tests {
         long.push(0);
         long[1..5].copy_from_slice(&((SIDE_BYTES + 1) as u32).to_le_bytes());
         assert!(read(&mut &long[..]).await.unwrap_err().contains("stray"));
+    }
+
+    #[test]
+    fn batches_are_bounded() {
+        let batch = |n: usize| Control::Batch((0..n).map(|i| (i as u64 + 1, vec![i as u8])).collect()).encode();
+        let full = batch(MAX_BATCH);
+        assert!(Control::decode(full[0], &full[5..]).is_ok());
+        let over = batch(MAX_BATCH + 1);
+        assert!(Control::decode(over[0], &over[5..]).unwrap_err().contains("batch of"));
+        let empty = [0u8; 4];
+        assert!(Control::decode(K_BATCH, &empty).is_err());
+        let zero = Control::Batch(vec![(0, vec![])]).encode();
+        assert!(Control::decode(zero[0], &zero[5..]).unwrap_err().contains("empty payload"));
+        // A header longer than what is left.
+        let mut cut = batch(1);
+        cut.truncate(cut.len() - 1);
+        assert!(Control::decode(cut[0], &cut[5..]).is_err());
     }
 
     #[test]
