@@ -937,6 +937,7 @@ impl SendJob {
             _ = cancel.wait_for(|c| *c) => return Err(cancelled),
         };
         let link = Arc::clone(&out.link);
+        crate::transport::kv_trace!("tx {:x} linked", desc.id);
         let (done_tx, mut done_rx) = oneshot::channel();
         lock(&core.tx).pending.insert((link.id(), desc.id), done_tx);
         *linked = Some(Arc::clone(&link));
@@ -979,6 +980,7 @@ impl SendJob {
                     verdict = &mut done_rx => return Err(early(desc.id, verdict)),
                     _ = cancel.wait_for(|c| *c) => return Err(cancelled),
                 }
+                crate::transport::kv_trace!("tx {:x} layer {layer} pushed", desc.id);
                 let ready = (*self.pushed.borrow()).min(num_layers);
                 let end = ready.min(layer + group);
                 let chunks: Vec<(u32, usize, usize)> = (layer..end)

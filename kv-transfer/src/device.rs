@@ -172,6 +172,7 @@ impl DeviceKv {
         let ids: Vec<u32> = chunks.iter().flat_map(|c| c.ids.iter().copied()).collect();
         let table = kv_segment_table(&segments);
         let mut guard = lock(&self.inner);
+        crate::transport::kv_trace!("checksums of {} chunks: locked", chunks.len());
         let inner = &mut *guard;
         let s = Arc::clone(&inner.stream);
         if ids.len() > inner.ids.len() {
@@ -210,6 +211,7 @@ impl DeviceKv {
                 .map_err(err("uploading the segment table"))?;
         }
         s.memset_zeros(&mut inner.sum.slice_mut(0..chunks.len())).map_err(err("zeroing the checksums"))?;
+        crate::transport::kv_trace!("checksums of {} chunks: uploaded", chunks.len());
         let op = KvSegments {
             segments: &segments,
             table: inner.table.slice(0..table.len()),
@@ -225,6 +227,7 @@ impl DeviceKv {
         // is `kv_segment_table(segments)`; the buffers belong to `inner`, locked until the stream is
         // synchronised below.
         unsafe { kv_copy_segments(&self.gpu, &s, op) }.map_err(|e| gpu_err("launching the KV checksums", e))?;
+        crate::transport::kv_trace!("checksums of {} chunks launched", chunks.len());
         let st = &inner.staging.as_ref().expect("made above").pinned;
         // SAFETY: the staging's sum region holds at least `chunks.len()` words, this call's alone; it
         // is read only after the stream synchronised.
@@ -241,11 +244,11 @@ impl DeviceKv {
     /// (this connector's own); behind the copy, verification passes sum each chunk's destination
     /// blocks as they now are; the sums reach host memory when the slot's event completes
     /// ([`PullEvent::wait`]). With `push`, the sender's GPU is another one and its copy engines
-    /// move the bytes (writes over NVLink/PCIe, faster than this GPU's reads of the peer), in
-    /// groups of `PUSH_GROUP` chunks, each group verified here as soon as it landed (this stream
-    /// waits on an event the source GPU's stream records; no host round trip); without it, or
-    /// where the source cannot push, this GPU copies (copy engines, else the copy kernel) and
-    /// verifies the batch in one launch. `corrupt` names a chunk whose last destination block gets
+    /// move the bytes (peer copies of the contiguous runs: writes over NVLink/PCIe, faster than
+    /// this GPU's reads of the peer), in groups of `PUSH_GROUP` chunks, each group verified here
+    /// as soon as it landed (this stream waits on an event the source GPU's stream records; no
+    /// host round trip); without it, where the source cannot push, or for blocks too scattered
+    /// for copies of runs, this GPU's copy kernel moves the whole batch in one launch. `corrupt` names a chunk whose last destination block gets
     /// one byte flipped between its copy and its verification (the integrity test hook; it waits
     /// for the copy). A slot is the caller's until its `PullEvent` was waited for.
     pub(crate) fn pull(
@@ -299,8 +302,8 @@ impl DeviceKv {
         // (a thread may have worked for a connector of another GPU just before).
         s.context().bind_to_thread().map_err(err("binding the context"))?;
         let own = self.gpu.ordinal() as i32;
-        // A push needs the copy engines' batched call and a source GPU that can write ours.
-        let push = push.filter(|f| p.engines && batch_copy_fn().is_some() && f.device != own && !p.push_failed && push_enabled());
+        // A push needs a source GPU other than ours that has not refused one.
+        let push = push.filter(|f| f.device != own && !p.push_failed && push_enabled());
         let segments: Vec<KvSegment> = chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
         let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
         // Chunk groups verified by one launch each: the push's groups, or the whole batch.
@@ -357,6 +360,7 @@ impl DeviceKv {
                 .map_err(err("uploading the segment tables"))?;
             cudarc::driver::result::memset_d8_async(addr_of(&sums, s), 0, 8 * chunks.len(), stream).map_err(err("zeroing the checksums"))?;
         }
+        crate::transport::kv_trace!("pull of {} chunks: uploaded", chunks.len());
         // Ids are checked against both arrays' extents on the host before the copy engines see them
         // (the kernel path checks them on the device).
         let in_range =
@@ -390,23 +394,39 @@ impl DeviceKv {
             Ok(())
         };
         let slot_sums = |range: &std::ops::Range<usize>| slot * PULL_BATCH + range.start..slot * PULL_BATCH + range.end;
+        // A push's copies: each group's contiguous runs (neighbouring blocks merged, across chunks
+        // too), one peer copy each; a batch whose blocks are too scattered for that is pulled by
+        // the copy kernel instead (one launch, whatever the scatter).
+        let push_runs: Option<Vec<Vec<(u64, u64, usize)>>> = push.as_ref().filter(|_| in_range).and_then(|from| {
+            let runs: Vec<Vec<(u64, u64, usize)>> = groups
+                .iter()
+                .map(|range| engine_runs(range.clone().map(|k| (from.src_bases[k], chunks[k].0, chunks[k].1)), block_bytes))
+                .collect();
+            runs.iter().all(|r| r.len() <= PUSH_MAX_RUNS).then_some(runs)
+        });
         let mut pushed = false;
-        if let Some(from) = push.as_ref().filter(|_| in_range) {
+        if let (Some(from), Some(runs)) = (push.as_ref(), push_runs) {
             // The source GPU's lane: a stream of its context and an event per group of each slot.
             let lane = match p.lanes.entry(from.device) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => e.insert(Lane::new(from.device)?),
             };
-            for (g, range) in groups.iter().enumerate() {
-                let group: Vec<(u64, Blocks<'_>, Blocks<'_>)> = range.clone().map(|k| (from.src_bases[k], chunks[k].0, chunks[k].1)).collect();
-                let (mut dsts, mut srcs, mut sizes) = engine_runs(&group, block_bytes);
+            for (g, (range, runs)) in groups.iter().zip(&runs).enumerate() {
                 lane.ctx.bind_to_thread().map_err(err("binding the source GPU's context"))?;
-                let r = batch_copy(&mut dsts, &mut srcs, &mut sizes, from.device, own, lane.stream.cu_stream());
+                let r = runs.iter().try_for_each(|&(dst, src, bytes)| {
+                    // SAFETY: `src` and `dst` are runs of whole blocks inside the sender's pool (as
+                    // this GPU's context addresses it) and this connector's pool (ids checked against
+                    // both extents above), claimed by the transfer; the copy is stream-ordered on the
+                    // lane, which the pull stream waits for before the slot is reported.
+                    unsafe { cudarc::driver::sys::cuMemcpyPeerAsync(dst, s.context().cu_ctx(), src, lane.ctx.cu_ctx(), bytes, lane.stream.cu_stream()) }
+                        .result()
+                });
                 s.context().bind_to_thread().map_err(err("binding the context"))?;
                 if let Err(e) = r {
                     if g == 0 {
-                        // Nothing moved yet: this batch (and every later one) is pulled instead.
-                        tracing::warn!(error = %e, from = from.device, to = own, "KV pull: the source GPU's copy engines refused the push; pulling from now on");
+                        // Nothing moved yet (a refused first call enqueues nothing): this batch, and
+                        // every later one, is pulled instead.
+                        tracing::warn!(error = %e, from = from.device, to = own, "KV pull: the source GPU refused to push; pulling from now on");
                         p.push_failed = true;
                         break;
                     }
@@ -417,7 +437,7 @@ impl DeviceKv {
                 s.wait(event).map_err(err("waiting for the push"))?;
                 corrupt_in(range)?;
                 verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
-                crate::transport::kv_trace!("ipc push of {} chunks enqueued (group {g})", range.len());
+                crate::transport::kv_trace!("ipc push of {} chunks ({} copies) enqueued (group {g})", range.len(), runs.len());
                 pushed = true;
             }
         }
@@ -432,30 +452,14 @@ impl DeviceKv {
                 block_bytes: block_bytes as u64,
                 checksums: None,
             };
-            // The bytes move on this GPU's copy engines (one batched call over the chunks' contiguous
-            // runs), which read a peer GPU faster than kernels do and leave the SMs to the
-            // verification; where the driver lacks the batched call, or refuses it, the copy kernel
-            // moves them instead.
-            let mut copied = false;
-            if p.engines && in_range && batch_copy_fn().is_some() {
-                let pulled: Vec<(u64, Blocks<'_>, Blocks<'_>)> = chunks.iter().map(|(a, b)| (a.base, *a, *b)).collect();
-                let (mut dsts, mut srcs, mut sizes) = engine_runs(&pulled, block_bytes);
-                match batch_copy(&mut dsts, &mut srcs, &mut sizes, own, own, stream) {
-                    Ok(()) => copied = true,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "KV pull: the copy engines' batched copy failed; copying with kernels from now on");
-                        p.engines = false;
-                    }
-                }
-            }
-            if !copied {
-                // SAFETY: every source base is a layer of a live mapping (or this process's memory)
-                // of the sender's pool, which the sender keeps claimed until we acknowledge the pull;
-                // every destination is a layer of this connector's pool whose blocks the transfer
-                // claims; the table is `kv_segment_table(segments)`; ids, table and sums live in `p`,
-                // whose slot stays the caller's until the event completed.
-                unsafe { kv_copy_segments(&self.gpu, s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
-            }
+            // One launch of the copy kernel moves the whole batch, however scattered its blocks
+            // (the copy engines' batched call costs several microseconds of host time per run).
+            // SAFETY: every source base is a layer of a live mapping (or this process's memory) of
+            // the sender's pool, which the sender keeps claimed until we acknowledge the pull; every
+            // destination is a layer of this connector's pool whose blocks the transfer claims; the
+            // table is `kv_segment_table(segments)`; ids, table and sums live in `p`, whose slot
+            // stays the caller's until the event completed.
+            unsafe { kv_copy_segments(&self.gpu, s, copy) }.map_err(|e| gpu_err("launching the KV pull", e))?;
             for (g, range) in groups.iter().enumerate() {
                 corrupt_in(range)?;
                 verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
@@ -494,70 +498,26 @@ const IDS_STRIDE: usize = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
 /// groups' tables (3 per chunk + 1 per group).
 const TABLE_STRIDE: usize = 6 * PULL_BATCH + 2 * MAX_PUSH_GROUPS + 2;
 
-/// The copy engines' runs of a batch: each chunk's `(source base, source, destination)` blocks as
-/// `(destination addresses, source addresses, sizes)`, neighbouring blocks merged.
-fn engine_runs(chunks: &[(u64, Blocks<'_>, Blocks<'_>)], block_bytes: usize) -> (Vec<u64>, Vec<u64>, Vec<usize>) {
-    let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::<usize>::new());
+/// The contiguous runs of chunks given as `(source base, source, destination)` blocks:
+/// `(destination address, source address, bytes)`, neighbouring blocks merged (across chunks too,
+/// where one chunk's last block and the next one's first are neighbours on both sides).
+fn engine_runs<'a>(chunks: impl Iterator<Item = (u64, Blocks<'a>, Blocks<'a>)>, block_bytes: usize) -> Vec<(u64, u64, usize)> {
+    let mut runs: Vec<(u64, u64, usize)> = Vec::new();
     let bb = block_bytes as u64;
     for (src_base, src, dst) in chunks {
-        for (k, (&a, &b)) in src.ids.iter().zip(dst.ids).enumerate() {
-            let contiguous = k > 0 && a == src.ids[k - 1].wrapping_add(1) && b == dst.ids[k - 1].wrapping_add(1);
-            if contiguous && let Some(last) = sizes.last_mut() {
-                *last += block_bytes;
-            } else {
-                srcs.push(src_base + u64::from(a) * bb);
-                dsts.push(dst.base + u64::from(b) * bb);
-                sizes.push(block_bytes);
+        for (&a, &b) in src.ids.iter().zip(dst.ids) {
+            let (s, d) = (src_base + u64::from(a) * bb, dst.base + u64::from(b) * bb);
+            match runs.last_mut() {
+                Some((rd, rs, bytes)) if *rs + *bytes as u64 == s && *rd + *bytes as u64 == d => *bytes += block_bytes,
+                _ => runs.push((d, s, block_bytes)),
             }
         }
     }
-    (dsts, srcs, sizes)
+    runs
 }
 
-/// One batched copy-engine call on `stream` (of the current context): `sizes[i]` bytes from
-/// `srcs[i]` (on GPU `from`) to `dsts[i]` (on GPU `to`).
-fn batch_copy(dsts: &mut [u64], srcs: &mut [u64], sizes: &mut [usize], from: i32, to: i32, stream: cudarc::driver::sys::CUstream) -> std::result::Result<(), cudarc::driver::DriverError> {
-    let Some(f) = batch_copy_fn() else {
-        return Err(cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_SUPPORTED));
-    };
-    let at = |id: i32| cudarc::driver::sys::CUmemLocation { type_: cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id };
-    let mut attrs = cudarc::driver::sys::CUmemcpyAttributes {
-        srcAccessOrder: cudarc::driver::sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        srcLocHint: at(from),
-        dstLocHint: at(to),
-        flags: 0,
-    };
-    let mut attr_idx = [0usize];
-    // SAFETY: the callers pass runs of whole blocks inside live pools (ids checked against both
-    // extents), claimed by the transfer; the three arrays are as long as each other and live across
-    // the call (the driver reads them during it).
-    unsafe { f(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), sizes.len(), &mut attrs, attr_idx.as_mut_ptr(), 1, stream) }.result()
-}
-
-/// `cuMemcpyBatchAsync` (CUDA 13 prototype), looked up without panicking where the driver lacks
-/// it; `TANDEM_KV_NO_COPY_ENGINES=1` turns its use off (pulls then copy with kernels).
-type BatchCopy = unsafe extern "C" fn(
-    *mut u64,
-    *mut u64,
-    *mut usize,
-    usize,
-    *mut cudarc::driver::sys::CUmemcpyAttributes,
-    *mut usize,
-    usize,
-    cudarc::driver::sys::CUstream,
-) -> cudarc::driver::sys::CUresult;
-
-fn batch_copy_fn() -> Option<BatchCopy> {
-    static F: OnceLock<Option<BatchCopy>> = OnceLock::new();
-    *F.get_or_init(|| {
-        if std::env::var_os("TANDEM_KV_NO_COPY_ENGINES").is_some() {
-            return None;
-        }
-        // SAFETY: a symbol lookup by name in the loaded driver; `BatchCopy` is the prototype CUDA 13
-        // gives `cuMemcpyBatchAsync_v2` (the function `cuMemcpyBatchAsync` names there).
-        unsafe { cudarc::driver::sys::culib().get::<BatchCopy>(b"cuMemcpyBatchAsync_v2\0").ok().map(|f| *f) }
-    })
-}
+/// Most copies one push group makes; more scattered batches are pulled by the copy kernel.
+const PUSH_MAX_RUNS: usize = 32;
 
 /// How many pull batches a connector keeps in flight at most.
 pub(crate) const PULL_SLOTS: usize = 16;
@@ -626,8 +586,6 @@ struct Pull {
     table: CudaSlice<u64>,
     sums: CudaSlice<u64>,
     events: Vec<cudarc::driver::CudaEvent>,
-    /// Whether pulls still try the copy engines (off after the driver refused once).
-    engines: bool,
     /// Source GPUs' lanes, by ordinal (made on a push from that GPU).
     lanes: HashMap<i32, Lane>,
     /// Whether a source GPU's copy engines refused a push once (pulls only from then on).
@@ -648,7 +606,7 @@ impl Pull {
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(err("creating events"))?;
         stream.synchronize().map_err(err("preparing the pull stream"))?;
-        Ok(Pull { host, stream, ids, table, sums, events, engines: true, lanes: HashMap::new(), push_failed: false })
+        Ok(Pull { host, stream, ids, table, sums, events, lanes: HashMap::new(), push_failed: false })
     }
 }
 

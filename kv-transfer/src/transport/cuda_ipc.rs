@@ -155,6 +155,9 @@ pub struct CudaIpcTransport {
     pulls: Arc<Pulls>,
     /// To the completion thread (`None` after shutdown).
     jobs: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    /// The completion thread, joined by `shutdown` (it may drop the last hold on the device side,
+    /// which must not happen while the process exits).
+    completion: Mutex<Option<std::thread::JoinHandle<()>>>,
     me: Weak<CudaIpcTransport>,
 }
 
@@ -295,13 +298,15 @@ impl CudaIpcTransport {
             device,
             inbox,
             jobs: Mutex::new(Some(jobs_tx)),
+            completion: Mutex::new(None),
             me: me.clone(),
         });
         let pulls = Arc::clone(&transport.pulls);
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("tandem-kv-pull".into())
             .spawn(move || completion_thread(jobs_rx, pulls))
             .map_err(|e| Error::Invalid(format!("starting the cuda-ipc completion thread: {e}")))?;
+        *lock(&transport.completion) = Some(thread);
         let me = Arc::downgrade(&transport);
         let task = tokio::spawn(async move {
             loop {
@@ -581,6 +586,14 @@ impl Transport for CudaIpcTransport {
         }
         drop(running);
         lock(&self.jobs).take();
+        // The thread ends once it has no sender and no job left; its device-side work (and its drop
+        // of the device side, when it holds the last reference) is over when this returns.
+        let thread = lock(&self.completion).take();
+        if let Some(thread) = thread
+            && thread.thread().id() != std::thread::current().id()
+        {
+            let _ = thread.join();
+        }
     }
 }
 
