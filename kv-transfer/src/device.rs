@@ -490,7 +490,7 @@ pub(crate) struct PushFrom<'a> {
 
 /// Chunks per verification launch of a push (the last group's verification is what a transfer
 /// waits for after its last byte landed: small groups keep that short).
-const PUSH_GROUP: usize = 4;
+pub(crate) const PUSH_GROUP: usize = 4;
 const MAX_PUSH_GROUPS: usize = PULL_BATCH.div_ceil(PUSH_GROUP);
 /// Staged ids per pull slot (sources, then destinations).
 const IDS_STRIDE: usize = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
