@@ -741,20 +741,35 @@ fn raw_pair(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<(DeviceAlloc
     Ok((a, b, da, db))
 }
 
-/// Times one copy that `launch` enqueues on a fresh stream of GPU `device`, with CUDA events around
-/// the copy alone.
+/// Times one copy that `launch` enqueues on GPU `device`'s timing stream, with CUDA events around
+/// the copy alone. The stream and events are made once per GPU and kept (a stream and two events
+/// made and destroyed per measurement left the driver work that slowed the first calls of the
+/// transfer timed next).
 fn time_copy(device: i32, what: &str, launch: impl FnOnce(&CudaStream) -> Result<()>) -> Result<std::time::Duration> {
     use cudarc::driver::sys::CUevent_flags;
-    let ctx = context(device)?;
+    struct Timer {
+        start: cudarc::driver::CudaEvent,
+        stop: cudarc::driver::CudaEvent,
+        stream: Arc<CudaStream>,
+    }
+    static TIMERS: OnceLock<Mutex<HashMap<i32, Timer>>> = OnceLock::new();
     let e = |e: cudarc::driver::DriverError| gpu_err(what, e);
-    let stream = ctx.new_stream().map_err(e)?;
-    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
-    let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
-    start.record(&stream).map_err(e)?;
-    launch(&stream)?;
-    stop.record(&stream).map_err(e)?;
-    stop.synchronize().map_err(e)?;
-    let ms = start.elapsed_ms(&stop).map_err(e)?;
+    let mut timers = lock(TIMERS.get_or_init(Mutex::default));
+    let t = match timers.entry(device) {
+        std::collections::hash_map::Entry::Occupied(t) => t.into_mut(),
+        std::collections::hash_map::Entry::Vacant(slot) => {
+            let ctx = context(device)?;
+            let stream = ctx.new_stream().map_err(e)?;
+            let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+            let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+            slot.insert(Timer { start, stop, stream })
+        }
+    };
+    t.start.record(&t.stream).map_err(e)?;
+    launch(&t.stream)?;
+    t.stop.record(&t.stream).map_err(e)?;
+    t.stop.synchronize().map_err(e)?;
+    let ms = t.start.elapsed_ms(&t.stop).map_err(e)?;
     Ok(std::time::Duration::from_secs_f64(f64::from(ms) / 1e3))
 }
 
