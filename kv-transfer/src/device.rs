@@ -421,11 +421,16 @@ impl DeviceKv {
                     unsafe { cudarc::driver::sys::cuMemcpyPeerAsync(dst, s.context().cu_ctx(), src, lane.ctx.cu_ctx(), bytes, lane.stream.cu_stream()) }
                         .result()
                 });
+                if r.is_err() {
+                    // Runs of this group enqueued before the refusal have no event the pull stream
+                    // waits on: let them land before anything else touches these blocks.
+                    let _ = lane.stream.synchronize();
+                }
                 s.context().bind_to_thread().map_err(err("binding the context"))?;
                 if let Err(e) = r {
                     if g == 0 {
-                        // Nothing moved yet (a refused first call enqueues nothing): this batch, and
-                        // every later one, is pulled instead.
+                        // Nothing verified yet (what this group's earlier runs moved has landed,
+                        // above): this batch, and every later one, is pulled instead.
                         tracing::warn!(error = %e, from = from.device, to = own, "KV pull: the source GPU refused to push; pulling from now on");
                         p.push_failed = true;
                         break;

@@ -412,6 +412,9 @@ impl CudaIpcTransport {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
                 .map_err(|e| format!("opening the sender's pool (cuIpcOpenMemHandle): {e}"))?;
             let p = m.ptr();
+            // Which GPU the pool lies on, asked of the mapping. (On 2 x H100 this has not named the
+            // sender's GPU: no push engaged between processes there, and pulls served; telling the
+            // GPU in the handshake is the fix still to make and run.)
             let push = match crate::device::device_of(own, p) {
                 Ok(theirs) => pusher(theirs, own, || {
                     let ctx = crate::device::context(theirs).map_err(|e| e.to_string())?;
@@ -419,7 +422,10 @@ impl CudaIpcTransport {
                     let at = m.ptr();
                     Ok((Some(m), at))
                 }),
-                Err(_) => None,
+                Err(e) => {
+                    tracing::info!(error = %e, "cuda-ipc: cannot tell which GPU the sender's pool is on; pulling");
+                    None
+                }
             };
             (Some(m), None, p, push)
         };
@@ -499,12 +505,13 @@ fn pusher(
     open: impl FnOnce() -> std::result::Result<(Option<tandem_kernels::cuda::IpcMapping>, u64), String>,
 ) -> Option<(i32, Option<tandem_kernels::cuda::IpcMapping>, u64)> {
     if theirs == own || !crate::device::push_enabled() {
+        tracing::debug!(from = theirs, to = own, "cuda-ipc: pulls (one GPU, or TANDEM_KV_NO_PUSH)");
         return None;
     }
     let opened = crate::device::enable_peer_access(theirs, own).map_err(|e| e.to_string()).and_then(|()| open());
     match opened {
         Ok((mapping, at)) => {
-            tracing::debug!(from = theirs, to = own, "cuda-ipc: the sender's GPU pushes KV into ours");
+            tracing::info!(from = theirs, to = own, "cuda-ipc: the sender's GPU pushes KV into ours");
             Some((theirs, mapping, at))
         }
         Err(e) => {
