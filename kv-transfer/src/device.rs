@@ -810,3 +810,36 @@ pub fn raw_peer_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std
             .map_err(|e| gpu_err("raw peer copy", e))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(base: u64, ids: &[u32]) -> Blocks<'_> {
+        Blocks { base, num_blocks: 64, ids }
+    }
+
+    #[test]
+    fn runs_merge_neighbouring_blocks_within_and_across_chunks() {
+        const BB: usize = 256;
+        // Layer arrays of 64 blocks, back to back in both pools (as a pool's layers are).
+        let (src, dst) = (1 << 20, 1 << 30);
+        let layer = 64 * BB as u64;
+        let (a0, a1, b0, b1) = ([0u32, 1, 2, 63], [0u32, 1], [10u32, 11, 12, 63], [0u32, 1]);
+        // Chunk 0: blocks 0..3 -> 10..13 (one run) and 63 -> 63; chunk 1 (the next layer): 0, 1 -> 0, 1,
+        // which continues the run ending at block 63 of layer 0 on both sides.
+        let chunks = [(src, blocks(src, &a0), blocks(dst, &b0)), (src + layer, blocks(src + layer, &a1), blocks(dst + layer, &b1))];
+        let runs = engine_runs(chunks.into_iter(), BB);
+        assert_eq!(runs, vec![(dst + 10 * BB as u64, src, 3 * BB), (dst + 63 * BB as u64, src + 63 * BB as u64, 3 * BB)]);
+        let total: usize = runs.iter().map(|r| r.2).sum();
+        assert_eq!(total, 6 * BB, "every block is in exactly one run");
+        // Neighbours on one side only stay apart.
+        let (a, b) = ([4u32, 5, 6], [9u32, 8, 7]);
+        let runs = engine_runs(std::iter::once((src, blocks(src, &a), blocks(dst, &b))), BB);
+        assert_eq!(runs.len(), 3);
+        assert!(runs.iter().all(|r| r.2 == BB));
+        // The source base a push uses (another mapping of the same pool) replaces the chunk's own.
+        let runs = engine_runs(std::iter::once((7 << 40, blocks(src, &a1), blocks(dst, &b1))), BB);
+        assert_eq!(runs, vec![(dst, 7 << 40, 2 * BB)]);
+    }
+}
