@@ -19,7 +19,8 @@
 #              embedded nodes' KV goes device to device through cuda-ipc, `auto`), and the
 #              same with --kv-connector tcp (through the host mirrors)
 #   kv         tandem kv conformance cuda-ipc --device cuda:0 (the suite over device memory),
-#              tandem bench kv --backend cuda-ipc --device cuda:0 (against a raw D2D copy)
+#              tandem bench kv --backend cuda-ipc --device cuda:0 (against a raw D2D copy), and
+#              the TANDEM_KV_TRACE timeline of one 256 MiB transfer
 #   cluster2   etcd + router + prefill + decode as separate processes sharing the GPU with
 #              --kv-connector cuda-ipc: client output == generate; a chunk corrupted in flight
 #              (TANDEM_KV_TEST_CORRUPT_CHUNK) is caught and the request served by local
