@@ -73,8 +73,8 @@ pub struct NcclOptions {
     pub bind: SocketAddr,
     /// Host name or IP peers dial (default: the bind IP, or 127.0.0.1 if that is unspecified).
     pub advertise: Option<String>,
-    /// Test hook: flip one byte of every Nth chunk this transport stages for sending, after the
-    /// gather, so the receiver's verification must catch it. Also set by the environment variable
+    /// Test hook: flip one byte of every Nth chunk this transport stages for sending (at most one
+    /// chunk per batch), after the gather, so the receiver's verification must catch it. Also set by the environment variable
     /// `TANDEM_KV_TEST_CORRUPT_CHUNK=N` (for tests that drive whole processes).
     pub corrupt_every: Option<u64>,
 }
