@@ -1113,15 +1113,22 @@ mod tests {
         .expect("valid geometry")
     }
 
-    /// A receiver core with one linked, started transfer of `blocks` (one chunk per layer).
-    async fn started(blocks: Vec<u32>) -> (Arc<Core>, Arc<dyn Link>, Arc<Recorder>, RecvHandle) {
+    /// A receiver core with one handshaken link and an expected transfer of `blocks` (binding 5),
+    /// not started.
+    fn expecting(blocks: &[u32]) -> (Arc<Core>, Arc<dyn Link>, Arc<Recorder>, RecvHandle) {
         let memory = KvMemory::host(geometry(), 16).expect("pool");
         let core = Core::new(memory, ConnectorConfig::default(), Handle::current()).expect("core");
         let recorder = Arc::new(Recorder { frames: Mutex::new(Vec::new()) });
         let link: Arc<dyn Link> = Arc::clone(&recorder) as Arc<dyn Link>;
         let hello = Frame::Hello { version: PROTOCOL_VERSION, geometry: geometry() };
         assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
-        let recv = core.expect(blocks.clone(), 5, Duration::from_secs(30)).expect("expect");
+        let recv = core.expect(blocks.to_vec(), 5, Duration::from_secs(30)).expect("expect");
+        (core, link, recorder, recv)
+    }
+
+    /// A receiver core with one linked, started transfer of `blocks` (one chunk per layer).
+    async fn started(blocks: Vec<u32>) -> (Arc<Core>, Arc<dyn Link>, Arc<Recorder>, RecvHandle) {
+        let (core, link, recorder, recv) = expecting(&blocks);
         let id = recv.descriptor().id;
         let start = Frame::Start { id, num_blocks: blocks.len() as u32, blocks_hash: frame::blocks_hash(&blocks), binding: 5 };
         assert!(matches!(core.on_message(&link, &start.encode(), 0), Delivery::Discard));
@@ -1187,13 +1194,7 @@ mod tests {
     #[tokio::test]
     async fn a_sender_that_gives_up_before_its_first_chunk_ends_the_transfer() {
         // Senders send `Start` with their first chunks: an abort may come first.
-        let memory = KvMemory::host(geometry(), 16).expect("pool");
-        let core = Core::new(memory, ConnectorConfig::default(), Handle::current()).expect("core");
-        let recorder = Arc::new(Recorder { frames: Mutex::new(Vec::new()) });
-        let link: Arc<dyn Link> = Arc::clone(&recorder) as Arc<dyn Link>;
-        let hello = Frame::Hello { version: PROTOCOL_VERSION, geometry: geometry() };
-        assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
-        let recv = core.expect(vec![1, 2], 5, Duration::from_secs(30)).expect("expect");
+        let (core, link, _recorder, recv) = expecting(&[1, 2]);
         let id = recv.descriptor().id;
         assert_eq!(core.memory().claimed_blocks(), 2);
         let abort = Frame::Abort { id, code: AbortCode::Cancelled, reason: "cancelled".into() };

@@ -302,8 +302,8 @@ impl DeviceKv {
         // (a thread may have worked for a connector of another GPU just before).
         s.context().bind_to_thread().map_err(err("binding the context"))?;
         let own = self.gpu.ordinal() as i32;
-        // A push needs a source GPU other than ours that has not refused one.
-        let push = push.filter(|f| f.device != own && !p.push_failed && push_enabled());
+        // (Whether a sender's GPU may push at all is settled when its link opens: see `PushFrom`.)
+        let push = push.filter(|_| !p.push_failed);
         let segments: Vec<KvSegment> = chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
         let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
         // Chunk groups verified by one launch each: the push's groups, or the whole batch.
@@ -485,7 +485,8 @@ impl DeviceKv {
     }
 }
 
-/// Where a pull's bytes come from when the sender's GPU pushes them: that GPU, and each chunk's
+/// Where a pull's bytes come from when the sender's GPU pushes them: that GPU (another than the
+/// pool's, with peer access to it, pushes not turned off: the caller checked), and each chunk's
 /// source layer base as an address of that GPU's context in this process.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PushFrom<'a> {
