@@ -380,6 +380,11 @@ gpus_cluster_body() {
     got=$(cmd .device/tandem client --router "$router" --max-tokens 16 "$long" 2>/dev/null) || return 1
     [[ "$gen_long" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen_long" "$got"; echo "$backend: long prompt differs"; return 1; }
     echo "$backend: prefill cuda:0 -> decode cuda:1 == generate (two prompts)"
+    if [[ "$backend" == cuda-ipc ]]; then
+        # between the processes the sender's GPU (named by UUID in the hello) must push
+        grep "cuda-ipc: the sender's GPU" "$OUT/decode.log" | tail -1
+        grep -q "the sender's GPU pushes KV into ours" "$OUT/decode.log" || { echo "cuda-ipc: the decode node pulls instead of having cuda:0 push"; return 1; }
+    fi
 
     # Killed mid-transfer: the restarted prefill node paces its chunks (300 ms before each; 4 layers,
     # so the transfer takes over 1.2 s) and is killed 0.7 s after the request went out, while chunks

@@ -715,6 +715,24 @@ pub(crate) fn enable_peer_access(from: i32, to: i32) -> Result<()> {
     r.result().map_err(|e| gpu_err(&format!("enabling peer access from GPU {from} to GPU {to}"), e))
 }
 
+/// This process's ordinal of the GPU with UUID `uuid` (`cuDeviceGetUuid`), if it sees that GPU.
+pub(crate) fn ordinal_of(uuid: &[u8; 16]) -> Result<i32> {
+    // SAFETY: only tries to dlopen the candidate library names (cudarc would panic on a missing one).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::Device("no NVIDIA driver found (libcuda.so.1)".into()));
+    }
+    cudarc::driver::result::init().map_err(|e| gpu_err("initialising the driver", e))?;
+    let count = cudarc::driver::result::device::get_count().map_err(|e| gpu_err("counting GPUs", e))?;
+    for ordinal in 0..count {
+        let dev = cudarc::driver::result::device::get(ordinal).map_err(|e| gpu_err("opening a GPU", e))?;
+        let theirs = cudarc::driver::result::device::get_uuid(dev).map_err(|e| gpu_err("reading a GPU's UUID", e))?;
+        if theirs.bytes.iter().zip(uuid).all(|(&a, &b)| a as u8 == b) {
+            return Ok(ordinal);
+        }
+    }
+    Err(Error::Device(format!("no visible GPU has the sender's UUID {}", uuid.iter().map(|b| format!("{b:02x}")).collect::<String>())))
+}
+
 /// The GPU whose memory device address `addr` lies in (asked with GPU `current`'s context bound).
 pub(crate) fn device_of(current: i32, addr: u64) -> Result<i32> {
     use cudarc::driver::sys::{CUpointer_attribute, cuPointerGetAttribute};

@@ -69,7 +69,7 @@ const HANDSHAKE: Duration = Duration::from_secs(5);
 /// How long `shutdown` waits for running pulls (kernels of a few milliseconds) before giving up.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 const MAX_MESSAGE: usize = 64 * 1024;
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
 
 /// Sender → receiver: version, host, and the sender's pool.
 const K_HELLO: u8 = 1;
@@ -262,6 +262,10 @@ impl CudaIpcTransport {
         for l in 0..g.num_layers() {
             pool.extend_from_slice(&(memory.layer_base(l) as u64 - allocation.base).to_le_bytes());
         }
+        // The pool's GPU, so a receiver in another process can tell which of its GPUs that is (a
+        // mapping's device attribute does not say) and have it push.
+        let uuid = ctx.uuid().map_err(|e| Error::Device(format!("reading GPU {ordinal}'s UUID: {e}")))?;
+        pool.extend(uuid.bytes.iter().map(|&b| b as u8));
         lock(local_pools()).insert(allocation.base, Arc::downgrade(&memory));
         let dir = opts.dir.clone().unwrap_or_else(std::env::temp_dir);
         let path = dir.join(format!("tandem-kv-{}-{:016x}.sock", std::process::id(), getrandom::u64().unwrap_or(0)));
@@ -397,6 +401,10 @@ impl CudaIpcTransport {
             }
             offsets.push(off);
         }
+        let mut uuid = [0u8; 16];
+        for slot in uuid.iter_mut() {
+            *slot = r.u8()?;
+        }
         let own = self.ordinal;
         let (mapping, local, mapped, push) = if pid == std::process::id() {
             // CUDA refuses to open a handle in the process that exported it: the sender's own
@@ -412,10 +420,9 @@ impl CudaIpcTransport {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
                 .map_err(|e| format!("opening the sender's pool (cuIpcOpenMemHandle): {e}"))?;
             let p = m.ptr();
-            // Which GPU the pool lies on, asked of the mapping. (On 2 x H100 this has not named the
-            // sender's GPU: no push engaged between processes there, and pulls served; telling the
-            // GPU in the handshake is the fix still to make and run.)
-            let push = match crate::device::device_of(own, p) {
+            // Which of our GPUs the pool lies on: the one with the UUID the sender named (a
+            // mapping's device attribute does not say).
+            let push = match crate::device::ordinal_of(&uuid) {
                 Ok(theirs) => pusher(theirs, own, || {
                     let ctx = crate::device::context(theirs).map_err(|e| e.to_string())?;
                     let m = tandem_kernels::cuda::IpcMapping::open(&ctx, &handle).map_err(|e| e.to_string())?;
