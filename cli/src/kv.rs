@@ -363,7 +363,25 @@ pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
         bail!("--tls times the tcp backend over TLS: use it with --backend tcp");
     }
     let rt = runtime()?;
-    rt.block_on(bench(spec, args, devices))
+    // The receiving connectors run on a runtime of their own, as a decode process's do: sharing one
+    // would have a busy sender's worker hold up the receiver's socket reads (the runtime notices
+    // readable sockets when a worker parks), which no pair of processes suffers.
+    let rx_rt = runtime()?;
+    let result = rt.block_on(bench(spec, args, devices, rx_rt.handle().clone()));
+    drop(rt);
+    result
+}
+
+/// A receiving connector, built on `rt` (its tasks run there).
+async fn receiver(
+    rt: &tokio::runtime::Handle,
+    spec: &ConnectorSpec,
+    memory: &Arc<KvMemory>,
+    config: &ConnectorConfig,
+    fabric: &Fabric,
+) -> anyhow::Result<Connector> {
+    let (spec, memory, config, fabric) = (spec.clone(), Arc::clone(memory), config.clone(), fabric.clone());
+    Ok(rt.spawn(async move { Connector::from_spec(&spec, memory, config, &fabric).await }).await??)
 }
 
 /// `spec` (tcp) with mutual TLS from certificates of a throwaway CA for 127.0.0.1.
@@ -379,7 +397,7 @@ fn with_throwaway_tls(spec: &ConnectorSpec) -> anyhow::Result<ConnectorSpec> {
     Ok(ConnectorSpec::Tcp(tandem_kv_transfer::transport::tcp::TcpOptions { tls: Some(tls), ..opts.clone() }))
 }
 
-async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyhow::Result<()> {
+async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: tokio::runtime::Handle) -> anyhow::Result<()> {
     let fabric = Fabric::new();
     let config = ConnectorConfig {
         transfer_timeout: Duration::from_secs(120),
@@ -390,13 +408,13 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices) -> anyh
     let g = big_geometry();
     let (src, dst) = (filled(&g, max_mib, devices.src)?, pool(&g, max_mib, devices.dst)?);
     let tx = Connector::from_spec(&spec, Arc::clone(&src), config.clone(), &fabric).await?;
-    let rx = Connector::from_spec(&spec, Arc::clone(&dst), config.clone(), &fabric).await?;
+    let rx = receiver(&rx_rt, &spec, &dst, &config, &fabric).await?;
     // With --tls, a second pair over the same pools moving the same blocks over mutual TLS.
     let tls_spec = if args.tls { Some(with_throwaway_tls(&spec)?) } else { None };
     let tls_pair = match &tls_spec {
         Some(s) => Some((
             Connector::from_spec(s, Arc::clone(&src), config.clone(), &fabric).await?,
-            Connector::from_spec(s, Arc::clone(&dst), config.clone(), &fabric).await?,
+            receiver(&rx_rt, s, &dst, &config, &fabric).await?,
         )),
         None => None,
     };

@@ -260,6 +260,37 @@ impl DeviceKv {
         push: Option<PushFrom<'_>>,
     ) -> Result<PullEvent> {
         let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
+        self.pull_with(None, slot, chunks, total, block_bytes, corrupt, push)
+    }
+
+    /// A pull as [`DeviceKv::pull`] makes it (no push), enqueued on `stream` (of this GPU) behind
+    /// a wait for `after` (the last record of it when this is called): the nccl backend's
+    /// gathers into and scatters out of a link's staging buffer, ordered against the link's NCCL
+    /// operations with events instead of host waits.
+    pub(crate) fn pull_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        after: &cudarc::driver::CudaEvent,
+        slot: usize,
+        chunks: &[(Blocks<'_>, Blocks<'_>)],
+        block_bytes: usize,
+        corrupt: Option<usize>,
+    ) -> Result<PullEvent> {
+        let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
+        self.pull_with(Some((stream, after)), slot, chunks, total, block_bytes, corrupt, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pull_with(
+        &self,
+        on: Option<(&Arc<CudaStream>, &cudarc::driver::CudaEvent)>,
+        slot: usize,
+        chunks: &[(Blocks<'_>, Blocks<'_>)],
+        total: usize,
+        block_bytes: usize,
+        corrupt: Option<usize>,
+        push: Option<PushFrom<'_>>,
+    ) -> Result<PullEvent> {
         let bad = chunks.is_empty()
             || chunks.len() > PULL_BATCH
             || slot >= PULL_SLOTS
@@ -276,7 +307,14 @@ impl DeviceKv {
             *guard = Some(Pull::new(&self.context())?);
         }
         let p = guard.as_mut().expect("made above");
-        let s = Arc::clone(&p.stream);
+        let s = match on {
+            Some((stream, after)) => {
+                stream.context().bind_to_thread().map_err(err("binding the context"))?;
+                stream.wait(after).map_err(err("ordering the pull behind its event"))?;
+                Arc::clone(stream)
+            }
+            None => Arc::clone(&p.stream),
+        };
         let r = self.enqueue_pull(p, &s, slot, chunks, total, block_bytes, corrupt, push);
         if r.is_err() {
             // Some of the batch may be enqueued already, reading this slot's staging: let it run out
@@ -543,6 +581,18 @@ pub(crate) struct PullEvent {
 }
 
 impl PullEvent {
+    /// Whether the pull finished (without waiting): `Ok(true)` then [`PullEvent::wait`] returns at
+    /// once. The caller's thread must have the device's context bound.
+    pub(crate) fn done(&self) -> Result<bool> {
+        use cudarc::driver::sys::{CUevent, CUresult, cuEventQuery};
+        // SAFETY: the event belongs to the device's pull state, alive while the caller holds it.
+        match unsafe { cuEventQuery(self.event as CUevent) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(gpu_err("the KV pull failed on the GPU", format!("{e:?}"))),
+        }
+    }
+
     /// Waits for the pull and returns the checksum of each chunk's destination blocks after it.
     /// The `DeviceKv` that made it must be alive (the caller holds it).
     pub(crate) fn wait(&self, device: &DeviceKv) -> Result<Vec<u64>> {

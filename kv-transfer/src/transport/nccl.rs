@@ -5,54 +5,63 @@
 //! At connect the sender states its control protocol, NCCL version, GPU and pool layout; the
 //! receiver checks them (two different GPUs, the same NCCL major.minor), creates the rendezvous
 //! (`ncclGetUniqueId`, rank 0) and answers with its own; both ends then create the communicator in
-//! the background (nonblocking `ncclCommInitRankConfig`, bounded) while the connector's handshake
-//! runs, and allocate one staging buffer each (64 MiB, or one chunk if more). Chunks go in batches:
-//! the chunks the connector hands over at once (the layers ready together), as many as fit the
-//! staging buffer (at most 32). Per batch: the sender announces the frames in one message and
-//! gathers their (scattered) blocks back to back into its staging buffer (one device pull); the
-//! receiver's inbox names each chunk's destination blocks, the receiver answers "go", posts one
-//! `ncclRecv` into its staging buffer, the sender `ncclSend`s the batch, waits, and reports; once
-//! both the bytes and the report arrived, the receiver scatters the chunks it wants into their
-//! blocks and sums each chunk's destination blocks in the same device pull, and reports them
-//! landed with those sums, which the connector core compares with the sender's before anything
-//! is reported.
+//! the background while the connector's handshake runs (blocking `ncclCommInitRankConfig`, on a
+//! thread of its own that the link stops waiting for after 60 s: a nonblocking communicator would
+//! start a thread for every operation, ~100 us before it reaches the stream), allocate two staging buffers each (64 MiB, or one chunk if more), used in turn, and have
+//! NCCL connect the pair with a one-byte send (NCCL connects point-to-point channels on their first
+//! operation, which would otherwise fall on the first transfer).
+//! Chunks go in batches: the chunks the connector hands over at once (the layers ready together),
+//! as many as fit a staging buffer (at most 32). Nothing on the data path waits on the host: each
+//! link has a stream for its NCCL operations and one for its gathers and scatters, ordered by
+//! events. Per batch the sender enqueues the gather of its (scattered) blocks into a staging buffer
+//! (one device pull) and behind it one `ncclSend` of the buffer, then announces the frames in one
+//! message and goes on; the receiver's inbox names each chunk's destination blocks, the receiver
+//! enqueues one `ncclRecv` into its own staging buffer and behind it the scatter of the chunks it
+//! wants into their blocks, which also sums each chunk's destination blocks, and reads on. A
+//! thread per link waits for each batch's device work in order: the sender's drops its hold on
+//! the source blocks once gathered, the receiver's reports the chunks landed with their sums,
+//! which the connector core compares with the sender's before anything is reported.
 //!
 //! Endpoint: `nccl://HOST:PORT` (the control channel; NCCL's own bootstrap and data connections
 //! are NCCL's: `NCCL_SOCKET_IFNAME` and friends choose their interfaces).
 //!
 //! Invariants (besides those of every transport):
 //! - Payloads only flow from the side that connected (the sender) to the side that accepted.
-//! - Every posted receive is matched by one send of the same length (a sender whose staging failed
-//!   sends its buffer anyway and reports the failure; a receiver that wants only some chunks of a
-//!   batch receives all of it), so the pair's NCCL operations never get out of step; a link whose NCCL operation failed is closed, and its communicator aborted.
+//! - Every posted receive is matched by one send of the same length, in the same order: the sender
+//!   enqueues its send before it announces the batch (a sender whose gather failed sends its
+//!   buffer anyway and says so in the announcement), and the receiver posts a receive for every
+//!   announced batch, wanted or not; a link whose NCCL operation failed is closed, and its
+//!   communicator aborted.
+//! - Every receive a receiver posts matches a send already enqueued, so NCCL kernels never wait on
+//!   a peer's host; a link's operations are ordered on its own streams (a stalled link never holds
+//!   up another).
+//! - A staging buffer is reused only behind events: a gather (scatter) waits for the last NCCL
+//!   operation on its buffer, an NCCL operation for the last gather (scatter) of its buffer.
 //! - NCCL only ever writes the staging buffers; destination blocks are written by the scatter
-//!   pull alone, after the receive completed and before `on_payload`, so a link closing mid-batch
-//!   needs no grace period: `on_payload` follows at once and the blocks are untouched.
-//! - One NCCL operation at a time per GPU in the process (NCCL forbids issuing operations on
-//!   communicators of one device from several threads at once, and concurrent kernels of different
-//!   communicators may wait on each other); a receiver takes its GPU's turn before it says "go", a
-//!   sender only after it heard "go", so a turn never waits on a peer that is itself waiting for a
-//!   turn (senders only send, receivers only receive).
-//! - Every wait is bounded: communicator creation by `INIT` (60 s), an operation by the link (closed at
-//!   the transfer's deadline or when the peer goes), an accepted connection's handshake by 5 s and
-//!   its silence by 90 s; each control message is at most 64 KiB.
+//!   alone, and `on_payload` comes after it finished (after the communicator was aborted, if the
+//!   link closed meanwhile), in delivery order; `on_link_closed` after the last of them.
+//! - Every wait is bounded: communicator creation by `INIT` (60 s; NCCL's blocking creation cannot
+//!   be interrupted, so a peer that never joins leaves that thread behind), device work by the link (closed
+//!   at the transfer's deadline or when the peer goes; then its communicator is aborted and its
+//!   work waited for at most `DRAIN`), an accepted connection's handshake by 5 s and its silence by
+//!   90 s; each control message is at most 64 KiB.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{OwnedSemaphorePermit, watch};
 use tokio::task::JoinHandle;
 
 use crate::MAX_CHUNK_BLOCKS;
 use crate::core::lock;
-use crate::device::{Blocks, DeviceKv, PULL_SLOTS};
+use crate::device::{Blocks, DeviceKv, PULL_SLOTS, PullEvent};
 use crate::error::{Error, Result};
 use crate::memory::{Iov, KvMemory, MemoryKind};
 use crate::transport::link_state::{Closed, LinkState};
@@ -95,32 +104,26 @@ const HANDSHAKE: Duration = Duration::from_secs(5);
 const IDLE: Duration = Duration::from_secs(90);
 /// How long creating a link's communicator may take.
 const INIT: Duration = Duration::from_secs(60);
-/// Most accepted links open at once (each holds a communicator and a staging buffer on the GPU).
+/// How long a closed link's device work may take to finish once its communicator was aborted
+/// (then its chunks are reported failed anyway, and its pull slots never reused).
+const DRAIN: Duration = Duration::from_secs(5);
+/// Most accepted links open at once (each holds a communicator and staging buffers on the GPU).
 const MAX_INCOMING: usize = 64;
-/// Bytes of each link's staging buffer on each side (more when one chunk needs more): a batch of
-/// chunks goes through NCCL as one operation of at most this much.
+/// Bytes of each of a link's two staging buffers on each side (more when one chunk needs more): a
+/// batch of chunks goes through NCCL as one operation of at most this much.
 const STAGING_TARGET: usize = 64 << 20;
 /// Ranks of a link's communicator.
 const RANK_RECEIVER: i32 = 0;
 const RANK_SENDER: i32 = 1;
 
-
-/// GPU `ordinal`'s turn: held by a link from posting an NCCL operation until it completed.
-fn gpu_turn(ordinal: i32) -> Arc<tokio::sync::Mutex<()>> {
-    static TURNS: OnceLock<Mutex<HashMap<i32, Arc<tokio::sync::Mutex<()>>>>> = OnceLock::new();
-    Arc::clone(
-        lock(TURNS.get_or_init(Mutex::default))
-            .entry(ordinal)
-            .or_default(),
-    )
-}
+/// A chunk in a staging buffer: `(layer, block ids in the pool, first staging block)`.
+type StagedChunk = (u32, Vec<u32>, u32);
 
 /// The NCCL transport; see the module doc.
 pub struct NcclTransport {
     endpoint: String,
     memory: Arc<KvMemory>,
     device: Arc<DeviceKv>,
-    ordinal: i32,
     inbox: Arc<dyn Inbox>,
     /// What this end states at connect.
     side: Side,
@@ -131,9 +134,9 @@ pub struct NcclTransport {
     shut: AtomicBool,
     corrupt_every: Option<u64>,
     staged: AtomicU64,
-    /// The device side's pull slots this transport's staging moves use (a permit per move).
+    /// The device side's pull slots this transport's gathers and scatters use (a permit per move).
     slots: Arc<tokio::sync::Semaphore>,
-    free_slots: Mutex<Vec<usize>>,
+    free_slots: Arc<Mutex<Vec<usize>>>,
     me: Weak<NcclTransport>,
 }
 
@@ -191,7 +194,6 @@ impl NcclTransport {
             endpoint,
             memory,
             device,
-            ordinal,
             inbox,
             side,
             staging_bytes,
@@ -202,7 +204,7 @@ impl NcclTransport {
             corrupt_every: opts.corrupt_every.or_else(super::corrupt_every_from_env),
             staged: AtomicU64::new(0),
             slots: Arc::new(tokio::sync::Semaphore::new(PULL_SLOTS)),
-            free_slots: Mutex::new((0..PULL_SLOTS).rev().collect()),
+            free_slots: Arc::new(Mutex::new((0..PULL_SLOTS).rev().collect())),
             me: me.clone(),
         });
         let me = Arc::downgrade(&transport);
@@ -266,6 +268,7 @@ impl NcclTransport {
         let (rd, wr) = stream.into_split();
         let (state, closed_rx) = LinkState::new(peer);
         let (gpu, _) = watch::channel(GpuState::Starting);
+        let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
         let link = Arc::new(NcclLink {
             id: self.next_link.fetch_add(1, Ordering::Relaxed),
             sender_side,
@@ -273,9 +276,19 @@ impl NcclTransport {
             state,
             closing: Closing(closed_rx.clone()),
             gpu,
-            go: Mutex::new(None),
+            jobs: Mutex::new(Some(jobs_tx)),
+            worker: Mutex::new(None),
             transport: self.me.clone(),
         });
+        let worker = {
+            let (link, device, inbox, free) =
+                (Arc::clone(&link), Arc::clone(&self.device), Arc::clone(&self.inbox), Arc::clone(&self.free_slots));
+            std::thread::Builder::new().name("tandem-kv-nccl".into()).spawn(move || link_worker(jobs_rx, &link, &device, &*inbox, &free))
+        };
+        match worker {
+            Ok(w) => *lock(&link.worker) = Some(w),
+            Err(e) => link.state.fail(format!("starting the link's device thread: {e}")),
+        }
         lock(&self.links).insert(link.id, Arc::clone(&link));
         if self.shut.load(Ordering::Acquire) {
             link.close();
@@ -307,12 +320,12 @@ impl NcclTransport {
 
     /// Creates the link's communicator and staging buffer in the background.
     fn start_comm(&self, link: &Arc<NcclLink>, id: UniqueId, rank: i32) {
-        let (ctx, ordinal, bytes) = (self.device.context(), self.ordinal, self.staging_bytes);
+        let (ctx, bytes) = (self.device.context(), self.staging_bytes);
         let closing = link.closing.clone();
         let link = Arc::clone(link);
         tokio::spawn(async move {
             let made = tokio::task::spawn_blocking(move || {
-                LinkGpu::create(ctx, ordinal, &id, rank, bytes, &closing)
+                LinkGpu::create(ctx, &id, rank, bytes, &closing)
             })
             .await
             .unwrap_or_else(|e| Err(format!("the communicator task failed: {e}")));
@@ -347,10 +360,9 @@ impl NcclTransport {
         });
     }
 
-    /// Gathers the payloads' blocks into the link's staging buffer, back to back in order (the
-    /// sender's half of a batch).
-    async fn stage(&self, gpu: &Arc<LinkGpu>, payloads: Vec<Payload>) -> std::result::Result<(), String> {
-        let bb = self.memory.geometry().block_bytes();
+    /// Where a batch's payloads lie: `(layer, block ids, first staging block)` of each, back to back
+    /// from the start of a staging buffer; and which of them the corruption test hook picks.
+    fn locate(&self, payloads: &[Payload]) -> std::result::Result<(Vec<StagedChunk>, Option<usize>), String> {
         let mut chunks = Vec::with_capacity(payloads.len());
         let (mut at, mut corrupt) = (0usize, None);
         for (i, payload) in payloads.iter().enumerate() {
@@ -365,51 +377,49 @@ impl NcclTransport {
             chunks.push((layer, ids, at as u32));
             at += count;
         }
-        if at * bb > gpu.staging.bytes() {
-            return Err(format!("{at} blocks exceed the staging buffer"));
+        if at * self.memory.geometry().block_bytes() > self.staging_bytes {
+            return Err(format!("{at} blocks exceed a staging buffer"));
         }
-        // The payloads keep the source blocks claimed until the gather has run.
-        let moved = self.staging_move(gpu, chunks, true, corrupt).await;
-        drop(payloads);
-        moved.map(|_| ())
+        Ok((chunks, corrupt))
     }
 
-    /// Moves chunks `(layer, block ids, first staging block)` between the pool and the link's
-    /// staging buffer on the device, in one pull of the device side: pool → staging (`gather`,
-    /// the sender; `corrupt` names a chunk that gets one byte flipped in staging, the integrity
-    /// test hook) or staging → pool (the receiver). Returns each chunk's checksum of its
-    /// destination blocks as they are afterwards.
-    async fn staging_move(
+    /// Takes a pull slot (waiting while all are in use, or until the link closes).
+    async fn slot(&self, closing: &Closing) -> std::result::Result<(usize, OwnedSemaphorePermit), String> {
+        let mut closed = closing.0.clone();
+        let permit = tokio::select! {
+            p = Arc::clone(&self.slots).acquire_owned() => p.map_err(|_| "transport shut down".to_string())?,
+            _ = closed.wait_for(|c| *c != Closed::Open) => return Err("link closed".into()),
+        };
+        let slot = lock(&self.free_slots).pop().ok_or("no free pull slot")?;
+        Ok((slot, permit))
+    }
+
+    /// Enqueues the move of `chunks` `(layer, block ids, first staging block)` between the pool and
+    /// staging buffer `k` of the link (pool → staging: `gather`, the sender; `corrupt` names a
+    /// chunk that gets one byte flipped in staging, the integrity test hook; staging → pool: the
+    /// receiver, whose pull sums each chunk's destination blocks), on the link's copy stream.
+    fn enqueue_move(
         &self,
-        gpu: &Arc<LinkGpu>,
-        chunks: Vec<(u32, Vec<u32>, u32)>,
+        gpu: &LinkGpu,
+        k: usize,
+        slot: usize,
+        chunks: &[StagedChunk],
         gather: bool,
         corrupt: Option<usize>,
-    ) -> std::result::Result<Vec<u64>, String> {
+    ) -> std::result::Result<PullEvent, String> {
         let bb = self.memory.geometry().block_bytes();
-        let permit = Arc::clone(&self.slots).acquire_owned().await.map_err(|_| "transport shut down".to_string())?;
-        let slot = lock(&self.free_slots).pop().ok_or("no free staging slot")?;
-        let (memory, device, gpu) = (Arc::clone(&self.memory), Arc::clone(&self.device), Arc::clone(gpu));
-        let moved = tokio::task::spawn_blocking(move || {
-            let staging_blocks = (gpu.staging.bytes() / bb) as u32;
-            let slots: Vec<Vec<u32>> = chunks.iter().map(|(_, ids, at)| (*at..*at + ids.len() as u32).collect()).collect();
-            let pairs: Vec<(Blocks<'_>, Blocks<'_>)> = chunks
-                .iter()
-                .zip(&slots)
-                .map(|((layer, ids, _), slots)| {
-                    let pool = Blocks { base: memory.layer_base(*layer) as u64, num_blocks: memory.num_blocks(), ids };
-                    let staging = Blocks { base: gpu.staging.ptr(), num_blocks: staging_blocks, ids: slots };
-                    if gather { (pool, staging) } else { (staging, pool) }
-                })
-                .collect();
-            let pull = device.pull(slot, &pairs, bb, corrupt, None).map_err(|e| e.to_string())?;
-            pull.wait(&device).map_err(|e| e.to_string())
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()));
-        lock(&self.free_slots).push(slot);
-        drop(permit);
-        moved
+        let staging_blocks = (gpu.staging[k].bytes() / bb) as u32;
+        let slots: Vec<Vec<u32>> = chunks.iter().map(|(_, ids, at)| (*at..*at + ids.len() as u32).collect()).collect();
+        let pairs: Vec<(Blocks<'_>, Blocks<'_>)> = chunks
+            .iter()
+            .zip(&slots)
+            .map(|((layer, ids, _), slots)| {
+                let pool = Blocks { base: self.memory.layer_base(*layer) as u64, num_blocks: self.memory.num_blocks(), ids };
+                let staging = Blocks { base: gpu.staging[k].ptr(), num_blocks: staging_blocks, ids: slots };
+                if gather { (pool, staging) } else { (staging, pool) }
+            })
+            .collect();
+        gpu.moved(k, self.device.pull_on(&gpu.copy, &gpu.net_done[k], slot, &pairs, bb, corrupt).map_err(|e| e.to_string()))
     }
 }
 
@@ -484,108 +494,188 @@ impl Drop for NcclTransport {
     }
 }
 
-/// A link's device side: its communicator, a stream for its NCCL operations, its staging buffer.
+/// A link's device side: its communicator, a stream for its NCCL operations (`net`) and one for
+/// its gathers and scatters (`copy`), two staging buffers used in turn, and per buffer the events
+/// that order their reuse: `net_done[k]` behind the last NCCL operation on buffer `k`,
+/// `copy_done[k]` behind its last gather or scatter.
 struct LinkGpu {
-    ordinal: i32,
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    staging: DeviceBuffer,
+    // Events before streams (drop order); all of `ctx`.
+    net_done: [CudaEvent; 2],
+    copy_done: [CudaEvent; 2],
+    net: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    staging: [DeviceBuffer; 2],
+    /// Batches so far (the next one's buffer is this modulo 2); advanced by the sender's writer or
+    /// the receiver's reader alone.
+    batches: AtomicUsize,
     /// `None` once aborted. Every NCCL call on the communicator is made under this lock.
     comm: Mutex<Option<Comm>>,
 }
 
 impl LinkGpu {
     /// Creates rank `rank` of the link's communicator (bounded by [`INIT`] and the link closing),
-    /// then its stream and staging buffer. Blocking.
+    /// then its streams, events and staging buffers. Blocking.
     fn create(
         ctx: Arc<CudaContext>,
-        ordinal: i32,
         id: &UniqueId,
         rank: i32,
         staging_bytes: usize,
         closing: &Closing,
     ) -> std::result::Result<LinkGpu, String> {
         let api = ffi::api().map_err(|e| e.to_string())?;
-        ctx.bind_to_thread()
-            .map_err(|e| format!("binding the context: {e}"))?;
-        let comm = Comm::start(api, id, rank, 2)?;
+        // NCCL's blocking creation cannot be interrupted: it runs on a thread of its own, which this
+        // one gives up on (leaving it to finish, or to hang on a peer that never joins) when the
+        // link closes or INIT passes; a communicator made after that is aborted.
+        let (id, abandon) = (*id, Arc::new(AtomicBool::new(false)));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let flag = Arc::clone(&abandon);
+        std::thread::Builder::new()
+            .name("tandem-kv-nccl-init".into())
+            .spawn(move || {
+                let made = LinkGpu::make(api, ctx, &id, rank, staging_bytes, &flag);
+                let _ = tx.send(made); // unheard: dropped, its communicator aborted
+            })
+            .map_err(|e| format!("starting the communicator's thread: {e}"))?;
         let since = Instant::now();
-        while !comm.ready()? {
-            if closing.now() {
-                return Err("link closed".into()); // dropping `comm` aborts it
+        loop {
+            match rx.recv_timeout(Duration::from_millis(1)) {
+                Ok(made) => return made,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Err("the communicator's thread failed".into()),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             }
-            if since.elapsed() > INIT {
-                return Err(format!(
+            let give_up = if closing.now() {
+                Some("link closed".to_string())
+            } else if since.elapsed() > INIT {
+                Some(format!(
                     "no communicator within {INIT:?} (can the two hosts reach each other on NCCL's interfaces? see NCCL_SOCKET_IFNAME)"
-                ));
+                ))
+            } else {
+                None
+            };
+            if let Some(reason) = give_up {
+                abandon.store(true, Ordering::Release);
+                return Err(reason);
             }
-            std::thread::sleep(Duration::from_millis(1));
         }
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| format!("creating the NCCL stream: {e}"))?;
-        let staging = DeviceBuffer::new(&ctx, staging_bytes)?;
-        Ok(LinkGpu {
-            ordinal,
-            ctx,
-            stream,
-            staging,
-            comm: Mutex::new(Some(comm)),
-        })
     }
 
-    /// Runs one `ncclSend` or `ncclRecv` of the first `bytes` of the staging buffer and waits for it;
-    /// a closing link ends the wait. Blocking.
-    fn transfer(
-        &self,
-        dir: Dir,
-        bytes: usize,
-        closing: &Closing,
-    ) -> std::result::Result<(), String> {
-        if bytes > self.staging.bytes() {
-            return Err(format!("a {bytes}-byte chunk exceeds the staging buffer"));
-        }
-        let stopped = || {
-            if closing.now() {
-                Err("link closed".to_string())
-            } else {
-                Ok(())
-            }
+    /// [`LinkGpu::create`]'s thread: the communicator (blocking: returns when both ranks joined; a
+    /// nonblocking communicator would hand every operation to a thread NCCL starts for it, ~100 us
+    /// before it reaches the stream), streams, events, staging buffers, and the pair connected.
+    fn make(
+        api: &'static ffi::Api,
+        ctx: Arc<CudaContext>,
+        id: &UniqueId,
+        rank: i32,
+        staging_bytes: usize,
+        abandon: &AtomicBool,
+    ) -> std::result::Result<LinkGpu, String> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        ctx.bind_to_thread()
+            .map_err(|e| format!("binding the context: {e}"))?;
+        let comm = Comm::start(api, id, rank, 2, true)?;
+        comm.ready()?;
+        let stream = || ctx.new_stream().map_err(|e| format!("creating a stream: {e}"));
+        let event = || ctx.new_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| format!("creating an event: {e}"));
+        let gpu = LinkGpu {
+            net_done: [event()?, event()?],
+            copy_done: [event()?, event()?],
+            net: stream()?,
+            copy: stream()?,
+            staging: [DeviceBuffer::new(&ctx, staging_bytes)?, DeviceBuffer::new(&ctx, staging_bytes)?],
+            batches: AtomicUsize::new(0),
+            comm: Mutex::new(Some(comm)),
+            ctx,
         };
+        // NCCL connects a pair's point-to-point channels on their first operation, with the peer:
+        // do that now, one byte from the sender to the receiver, rather than in the first transfer.
+        let dir = if rank == RANK_SENDER { Dir::Send } else { Dir::Recv };
+        {
+            let comm = lock(&gpu.comm);
+            let comm = comm.as_ref().ok_or("the communicator was aborted")?;
+            let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
+            // SAFETY: one byte of a staging buffer of this GPU, which nothing else uses yet; `gpu`
+            // (and so the buffer) lives until the stream ran out below, or until after the abort
+            // that ends the operation.
+            unsafe { comm.p2p(dir, gpu.staging[0].ptr(), 1, peer, gpu.net.cu_stream() as *mut std::ffi::c_void) }?;
+        }
+        loop {
+            use cudarc::driver::sys::{CUresult, cuStreamQuery};
+            gpu.issued()?;
+            // SAFETY: a live stream of the bound context.
+            match unsafe { cuStreamQuery(gpu.net.cu_stream()) } {
+                CUresult::CUDA_SUCCESS => return Ok(gpu),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return Err(format!("connecting the pair through NCCL: {e:?}")),
+            }
+            if abandon.load(Ordering::Acquire) {
+                gpu.abort();
+                return Err("given up".into());
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// The staging buffer of the next batch.
+    fn next_buffer(&self) -> usize {
+        self.batches.fetch_add(1, Ordering::Relaxed) % 2
+    }
+
+    /// Records, behind a gather or scatter of buffer `k` just enqueued on the copy stream (or that
+    /// failed to), that its last copy work is there; passes `moved` through.
+    fn moved<T>(&self, k: usize, moved: std::result::Result<T, String>) -> std::result::Result<T, String> {
+        let recorded = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| self.copy_done[k].record(&self.copy))
+            .map_err(|e| format!("recording a staging event: {e}"));
+        let moved = moved?;
+        recorded.map(|()| moved)
+    }
+
+    /// Enqueues one `ncclSend` or `ncclRecv` of the first `bytes` of staging buffer `k` on the net
+    /// stream, behind the buffer's last gather or scatter; poll [`LinkGpu::issued`], then
+    /// [`LinkGpu::record_net`].
+    fn enqueue_p2p(&self, dir: Dir, k: usize, bytes: usize) -> std::result::Result<(), String> {
+        if bytes > self.staging[k].bytes() {
+            return Err(format!("a {bytes}-byte batch exceeds a staging buffer"));
+        }
         self.ctx
             .bind_to_thread()
             .map_err(|e| format!("binding the context: {e}"))?;
-        let stream = self.stream.cu_stream() as *mut std::ffi::c_void;
-        {
-            let comm = lock(&self.comm);
-            let comm = comm.as_ref().ok_or("the communicator was aborted")?;
-            let peer = if dir == Dir::Send {
-                RANK_RECEIVER
-            } else {
-                RANK_SENDER
-            };
-            // SAFETY: the staging buffer is this GPU's memory, at least `bytes` long, and only this
-            // link's operations touch it, one at a time (the sender's writer lock, the receiver's
-            // reader task); it lives as long as `self`, which outlives the wait below or the abort
-            // that ends the operation; `stream` is this link's stream of the same context.
-            unsafe { comm.p2p(dir, self.staging.ptr(), bytes, peer, stream) }?;
-            // A nonblocking communicator may still be connecting to its peer: wait until issued.
-            let since = Instant::now();
-            while !comm.ready()? {
-                stopped()?;
-                ffi::backoff(since);
-            }
-        }
-        ffi::wait_stream(stream, || {
-            stopped()?;
-            match lock(&self.comm).as_ref() {
-                Some(c) => c.ready().map(|_| ()),
-                None => Err("the communicator was aborted".into()),
-            }
-        })
+        self.net
+            .wait(&self.copy_done[k])
+            .map_err(|e| format!("ordering the NCCL operation: {e}"))?;
+        let comm = lock(&self.comm);
+        let comm = comm.as_ref().ok_or("the communicator was aborted")?;
+        let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
+        // SAFETY: the staging buffer is this GPU's memory, at least `bytes` long; only this link's
+        // operations touch it, ordered by the buffer's events (the NCCL operation waits above for the
+        // buffer's last gather or scatter, and the next one waits for `net_done[k]`, recorded behind
+        // this operation); it lives as long as `self`, which outlives the operation or the abort
+        // that ends it; `net` is this link's stream of the same context.
+        unsafe { comm.p2p(dir, self.staging[k].ptr(), bytes, peer, self.net.cu_stream() as *mut std::ffi::c_void) }
     }
 
-    /// Aborts the communicator (once). Blocking.
+    /// Whether the last NCCL call was issued onto the stream (a nonblocking communicator may still
+    /// be connecting to its peer); `Err` when the communicator failed or was aborted.
+    fn issued(&self) -> std::result::Result<bool, String> {
+        match lock(&self.comm).as_ref() {
+            Some(c) => c.ready(),
+            None => Err("the communicator was aborted".into()),
+        }
+    }
+
+    /// Records `net_done[k]` behind the NCCL operation just issued on buffer `k`.
+    fn record_net(&self, k: usize) -> std::result::Result<(), String> {
+        self.ctx
+            .bind_to_thread()
+            .and_then(|()| self.net_done[k].record(&self.net))
+            .map_err(|e| format!("recording a staging event: {e}"))
+    }
+
+    /// Aborts the communicator (once): its kernels stop, so the link's streams run out. Blocking.
     fn abort(&self) {
         let comm = lock(&self.comm).take();
         if let Some(comm) = comm {
@@ -595,7 +685,7 @@ impl LinkGpu {
 }
 
 /// Aborts a link's communicator, off the async runtime (it may wait for NCCL's threads); the staging
-/// buffer goes with the last holder of `gpu`.
+/// buffers go with the last holder of `gpu`.
 fn retire(gpu: Arc<LinkGpu>) {
     ffi::off_runtime(move || gpu.abort());
 }
@@ -618,6 +708,80 @@ enum GpuState {
     Failed(String),
 }
 
+/// A batch's device work, waited for in order by the link's worker thread.
+enum Job {
+    /// Sender: a gather (`None`: it failed to start); the payloads it reads stay held until it ran.
+    Gathered {
+        pull: Option<PullEvent>,
+        slot: usize,
+        _permit: OwnedSemaphorePermit,
+        _hold: Vec<Payload>,
+        /// The staging buffer it writes.
+        _gpu: Arc<LinkGpu>,
+    },
+    /// Receiver: a scatter into the wanted chunks' blocks, reported for their inbox tokens when it
+    /// ran.
+    Scattered {
+        pull: PullEvent,
+        slot: usize,
+        _permit: OwnedSemaphorePermit,
+        tokens: Vec<u64>,
+        /// The staging buffer it reads.
+        _gpu: Arc<LinkGpu>,
+    },
+    /// Receiver: chunks that fail without device work of theirs (reported in their turn).
+    Failed { tokens: Vec<u64>, reason: String },
+}
+
+/// A link's worker thread: waits for each job's device work in order and reports it (see [`Job`]);
+/// ends when the link dropped its end of the queue and every job is done.
+fn link_worker(jobs: std::sync::mpsc::Receiver<Job>, link: &Arc<NcclLink>, device: &DeviceKv, inbox: &dyn Inbox, free: &Mutex<Vec<usize>>) {
+    let _ = device.context().bind_to_thread();
+    let dyn_link: Arc<dyn Link> = Arc::clone(link) as Arc<dyn Link>;
+    // When the link was seen closed (its communicator aborted then): bounds every later wait.
+    let mut closed_at: Option<Instant> = None;
+    while let Ok(job) = jobs.recv() {
+        match job {
+            Job::Gathered { pull, slot, .. } => {
+                if let Some(pull) = pull {
+                    match link.wait_for(&pull, device, &mut closed_at) {
+                        Ok(_) => lock(free).push(slot),
+                        Err(e) => tracing::warn!(peer = link.state.peer(), error = %e, "nccl: a gather did not finish; its pull slot is retired"),
+                    }
+                } else {
+                    lock(free).push(slot);
+                }
+                super::kv_trace!("nccl batch gathered");
+            }
+            Job::Scattered { pull, slot, tokens, .. } => {
+                match link.wait_for(&pull, device, &mut closed_at) {
+                    Ok(sums) => {
+                        lock(free).push(slot);
+                        super::kv_trace!("nccl batch of {} received, scattered and verified", tokens.len());
+                        for (token, sum) in tokens.into_iter().zip(sums) {
+                            inbox.on_payload(&dyn_link, token, Ok(Landed { checksum: Some(sum) }));
+                        }
+                    }
+                    Err(e) => {
+                        // A closed link: the bytes are not the payloads (the receive was cut short).
+                        if closed_at.is_none_or(|t| t.elapsed() < DRAIN) {
+                            lock(free).push(slot);
+                        }
+                        for token in tokens {
+                            inbox.on_payload(&dyn_link, token, Err(format!("the payload was not written: {e}")));
+                        }
+                    }
+                }
+            }
+            Job::Failed { tokens, reason } => {
+                for token in tokens {
+                    inbox.on_payload(&dyn_link, token, Err(reason.clone()));
+                }
+            }
+        }
+    }
+}
+
 /// One control connection and its communicator.
 struct NcclLink {
     id: u64,
@@ -627,8 +791,10 @@ struct NcclLink {
     state: LinkState,
     closing: Closing,
     gpu: watch::Sender<GpuState>,
-    /// Sender side: the send waiting for the receiver's go-ahead.
-    go: Mutex<Option<oneshot::Sender<bool>>>,
+    /// To the worker thread (`None` once the reader ended).
+    jobs: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    /// The worker thread, joined when the reader ends (before `on_link_closed`).
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     transport: Weak<NcclTransport>,
 }
 
@@ -662,6 +828,75 @@ impl NcclLink {
         }
     }
 
+    /// Hands a job to the worker thread.
+    fn submit(&self, job: Job) {
+        // Once the worker is gone the send fails and the job is dropped, which releases its holds
+        // (only the reader submits chunks to report, and it stops the worker last).
+        let tx = lock(&self.jobs).clone();
+        if let Some(tx) = tx {
+            let _ = tx.send(job);
+        }
+    }
+
+    /// Waits for a batch's device work (the worker thread), polling so that the link closing aborts
+    /// its communicator (the work then runs out) and a failed communicator closes the link; gives up
+    /// [`DRAIN`] after the link closed. Returns the pull's sums.
+    fn wait_for(&self, pull: &PullEvent, device: &DeviceKv, closed_at: &mut Option<Instant>) -> std::result::Result<Vec<u64>, String> {
+        let since = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            if pull.done().map_err(|e| e.to_string())? {
+                return pull.wait(device).map_err(|e| e.to_string());
+            }
+            polls = polls.wrapping_add(1);
+            if polls.is_multiple_of(64) {
+                if let GpuState::Ready(gpu) = &*self.gpu.borrow()
+                    && let Err(e) = gpu.issued()
+                {
+                    self.state.fail(format!("NCCL failed: {e}"));
+                }
+                if self.closing.now() {
+                    match closed_at {
+                        None => {
+                            *closed_at = Some(Instant::now());
+                            self.retire_gpu();
+                        }
+                        Some(t) if t.elapsed() > DRAIN => {
+                            return Err(format!("the link closed and its device work did not finish within {DRAIN:?}"));
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+            // Spin (yielding) through the first millisecond — a batch takes tens to hundreds of
+            // microseconds, and a sleep costs ~60 us of timer slack — then back off.
+            if since.elapsed() < Duration::from_millis(1) {
+                std::thread::yield_now();
+            } else {
+                ffi::backoff(since);
+            }
+        }
+    }
+
+    /// Waits until the NCCL operation just enqueued was issued (the first ones may wait for NCCL to
+    /// connect the pair), or the link closes.
+    async fn until_issued(&self, gpu: &LinkGpu) -> std::result::Result<(), String> {
+        let since = Instant::now();
+        loop {
+            if gpu.issued()? {
+                return Ok(());
+            }
+            if self.closing.now() {
+                return Err("link closed".into());
+            }
+            if since.elapsed() < Duration::from_micros(200) {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+
     async fn write(&self, wr: &mut OwnedWriteHalf, msg: &Control) -> Result<()> {
         let mut torn = self.state.torn_guard();
         wire::write(wr, msg)
@@ -672,8 +907,7 @@ impl NcclLink {
     }
 
     /// Messages (sender side), in order: those without payload as they are, runs of those with
-    /// one as batches (as many as the staging buffer and [`wire::MAX_BATCH`] allow), each one
-    /// exchange: announce, gather, wait for the go-ahead, one send, report.
+    /// one as batches (as many as a staging buffer and [`wire::MAX_BATCH`] allow).
     async fn send_messages(&self, messages: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         let mut guard = self.writer.lock().await;
         let Some(wr) = guard.as_mut() else {
@@ -701,7 +935,8 @@ impl NcclLink {
         Ok(())
     }
 
-    /// One batch of messages with payloads (see [`NcclLink::send_messages`]).
+    /// One batch of messages with payloads: enqueues the gather and the send behind it, announces
+    /// the batch, and hands the payloads to the worker thread, which drops them once gathered.
     async fn send_group(&self, wr: &mut OwnedWriteHalf, group: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         let (Some(t), true) = (self.transport.upgrade(), self.sender_side) else {
             return Err(Error::Unsupported {
@@ -714,50 +949,26 @@ impl NcclLink {
             return Err(Error::Invalid(format!("a {bytes}-byte payload exceeds the nccl staging buffer")));
         }
         let (items, payloads): (Vec<(u64, Vec<u8>)>, Vec<Payload>) = group.into_iter().map(|(h, p)| ((p.len(), h), p)).unzip();
-        // From the announcement to the report the pair's NCCL operations are in step: abandoning
-        // the batch anywhere in between (deadline, failure) closes the link.
-        let mut torn = self.state.torn_guard();
-        let (tx, rx) = oneshot::channel();
-        *lock(&self.go) = Some(tx);
-        wire::write(wr, &Control::Batch(items))
-            .await
-            .map_err(|e| self.link_err(e.to_string()))?;
         let gpu = self.ready_gpu().await.map_err(|e| self.link_err(e))?;
-        // Gather while the receiver gets ready.
-        let n = payloads.len();
-        let staged = t.stage(&gpu, payloads).await;
-        super::kv_trace!("nccl batch of {n} ({bytes} bytes) gathered");
-        let go = rx
-            .await
-            .map_err(|_| self.link_err("link closed before the receiver answered"))?;
-        if !go {
-            torn.disarm();
-            return Ok(()); // the receiver drops these payloads: nothing goes through NCCL
-        }
-        let turn = gpu_turn(gpu.ordinal).lock_owned().await;
-        let (g, closing) = (Arc::clone(&gpu), self.closing.clone());
-        tokio::task::spawn_blocking(move || {
-            let _turn = turn;
-            g.transfer(Dir::Send, bytes as usize, &closing)
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()))
-        .map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
-        super::kv_trace!("nccl batch of {n} sent");
-        wire::write(wr, &Control::Sent(staged.clone()))
+        let (slot, permit) = t.slot(&self.closing).await.map_err(|e| self.link_err(e))?;
+        // From the send's enqueue to the announcement the pair's NCCL operations are out of step:
+        // abandoning the batch in between (deadline, failure) closes the link.
+        let mut torn = self.state.torn_guard();
+        let k = gpu.next_buffer();
+        let gathered = t.locate(&payloads).and_then(|(chunks, corrupt)| t.enqueue_move(&gpu, k, slot, &chunks, true, corrupt));
+        let staged = gathered.as_ref().map(|_| ()).map_err(|e| e.clone());
+        self.submit(Job::Gathered { pull: gathered.ok(), slot, _permit: permit, _hold: payloads, _gpu: Arc::clone(&gpu) });
+        // The send goes whatever the gather did (the receiver posts a receive for every batch), and
+        // is announced at once: a nonblocking communicator may need the receive posted to issue it.
+        gpu.enqueue_p2p(Dir::Send, k, bytes as usize).map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
+        super::kv_trace!("nccl batch of {} ({bytes} bytes) enqueued", items.len());
+        wire::write(wr, &Control::Batch { items, staged: staged.clone() })
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
+        self.until_issued(&gpu).await.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
+        gpu.record_net(k).map_err(|e| self.link_err(e))?;
         torn.disarm();
         staged.map_err(|e| Error::Device(format!("staging chunks for NCCL: {e}")))
-    }
-
-    /// A control message from the receiving side.
-    async fn reply(&self, msg: &Control) -> Result<()> {
-        let mut guard = self.writer.lock().await;
-        let Some(wr) = guard.as_mut() else {
-            return Err(self.link_err("link closed"));
-        };
-        self.write(wr, msg).await
     }
 }
 
@@ -781,12 +992,6 @@ impl Link for NcclLink {
     fn close(&self) {
         self.state.close();
     }
-}
-
-/// How a received chunk failed: only its payload (the link stays in step), or the link.
-enum Failure {
-    Payload(String),
-    Link(String),
 }
 
 /// The reading half of one link, run as a task.
@@ -817,14 +1022,20 @@ impl Reader {
                 Ok(m) => m,
                 Err(e) => break e,
             };
-            if let Err(reason) = self.one(msg, &dyn_link, &mut rd, &mut closed).await {
+            if let Err(reason) = self.one(msg, &dyn_link, &mut closed).await {
                 break reason;
             }
         };
         self.link.state.fail(natural);
         let how = closed.borrow().clone();
-        lock(&self.link.go).take();
+        // Abort the communicator (the link's device work runs out), then let the worker report
+        // every job still queued before the link is reported closed.
         self.link.retire_gpu();
+        lock(&self.link.jobs).take();
+        let worker = lock(&self.link.worker).take();
+        if let Some(worker) = worker {
+            let _ = tokio::task::spawn_blocking(move || worker.join()).await;
+        }
         if let Some(t) = self.transport.upgrade() {
             lock(&t.links).remove(&self.link.id);
         }
@@ -837,13 +1048,7 @@ impl Reader {
         }
     }
 
-    async fn one(
-        &self,
-        msg: Control,
-        link: &Arc<dyn Link>,
-        rd: &mut OwnedReadHalf,
-        closed: &mut watch::Receiver<Closed>,
-    ) -> std::result::Result<(), String> {
+    async fn one(&self, msg: Control, link: &Arc<dyn Link>, closed: &mut watch::Receiver<Closed>) -> std::result::Result<(), String> {
         let sender_side = self.link.sender_side;
         match msg {
             Control::Msg {
@@ -858,8 +1063,8 @@ impl Reader {
                 }
             },
             Control::Msg { .. } => Err("a payload announced outside a batch".into()),
-            Control::Batch(_) if sender_side => Err("payload from the accepting side".into()),
-            Control::Batch(items) => {
+            Control::Batch { .. } if sender_side => Err("payload from the accepting side".into()),
+            Control::Batch { items, staged } => {
                 // A batch waits for the communicator before the inbox hears of it: the connector
                 // then counts only the bytes' movement as the chunks', not the communicator's
                 // creation (a transfer's deadline never closes the link over it).
@@ -868,76 +1073,48 @@ impl Reader {
                     _ = closed.wait_for(|c| *c != Closed::Open) => return Err("link closed".into()),
                 };
                 let mut wanted: Vec<(usize, u64, Vec<Iov>)> = Vec::new();
+                let mut refused = None;
                 for (i, (len, header)) in items.iter().enumerate() {
                     match self.inbox.on_message(link, header, *len) {
                         Delivery::CloseLink(reason) => {
-                            for (_, token, _) in wanted {
-                                self.inbox.on_payload(link, token, Err(format!("the payload was not written: {reason}")));
-                            }
-                            return Err(reason);
+                            refused = Some(reason);
+                            break;
                         }
                         Delivery::Discard => {}
                         Delivery::Into { iovs, token } => wanted.push((i, token, iovs)),
                     }
                 }
-                if wanted.is_empty() {
-                    return self.link.reply(&Control::Go(false)).await.map_err(|e| e.to_string());
+                let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
+                if let Some(reason) = refused {
+                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}") });
+                    return Err(reason);
                 }
                 let lens: Vec<u64> = items.iter().map(|(len, _)| *len).collect();
-                let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
-                match self.receive(rd, closed, &gpu, &lens, wanted).await {
-                    Ok(sums) => {
-                        for (token, sum) in tokens.into_iter().zip(sums) {
-                            self.inbox.on_payload(link, token, Ok(Landed { checksum: Some(sum) }));
-                        }
-                        Ok(())
-                    }
-                    Err(Failure::Payload(reason)) => {
-                        for token in tokens {
-                            self.inbox.on_payload(link, token, Err(reason.clone()));
-                        }
-                        Ok(())
-                    }
-                    Err(Failure::Link(reason)) => {
-                        for token in tokens {
-                            self.inbox.on_payload(link, token, Err(format!("the payload was not written: {reason}")));
-                        }
-                        Err(reason)
-                    }
-                }
+                self.receive(&gpu, &lens, wanted, staged).await.inspect_err(|reason| {
+                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}") });
+                })
             }
-            Control::Go(ready) if sender_side => match lock(&self.link.go).take() {
-                Some(tx) => {
-                    let _ = tx.send(ready);
-                    Ok(())
-                }
-                None => Err("a go-ahead nobody asked for".into()),
-            },
             other => Err(format!("unexpected nccl control message {other:?}")),
         }
     }
 
-    /// Receives a batch of payloads of `lens` bytes (back to back, one NCCL receive) and scatters
-    /// those `wanted` — `(index in the batch, token, destination iovecs)` — into their blocks (the
-    /// receiver's half); returns the checksum of each wanted chunk's destination blocks after the
-    /// scatter, in order. On return nothing writes the destination blocks any more.
+    /// Posts the receive of a batch of payloads of `lens` bytes (back to back, one NCCL receive)
+    /// and, when the sender staged them, the scatter of those `wanted` — `(index in the batch,
+    /// token, destination iovecs)` — into their blocks behind it; the worker thread reports them.
+    /// `Err`: the link must close (the wanted chunks are not reported yet).
     async fn receive(
         &self,
-        rd: &mut OwnedReadHalf,
-        closed: &mut watch::Receiver<Closed>,
         gpu: &Arc<LinkGpu>,
         lens: &[u64],
         wanted: Vec<(usize, u64, Vec<Iov>)>,
-    ) -> std::result::Result<Vec<u64>, Failure> {
+        staged: std::result::Result<(), String>,
+    ) -> std::result::Result<(), String> {
         let link = &self.link;
-        let t = self
-            .transport
-            .upgrade()
-            .ok_or(Failure::Link("the transport is gone".into()))?;
+        let t = self.transport.upgrade().ok_or("the transport is gone")?;
         let bb = t.memory.geometry().block_bytes() as u64;
         let total = lens.iter().try_fold(0u64, |a, &l| a.checked_add(l)).unwrap_or(u64::MAX);
-        if total > gpu.staging.bytes() as u64 {
-            return Err(Failure::Link(format!("a {total}-byte batch exceeds a staging buffer")));
+        if total > gpu.staging[0].bytes() as u64 {
+            return Err(format!("a {total}-byte batch exceeds a staging buffer"));
         }
         // Where each payload starts in the staging buffer.
         let starts: Vec<u64> = lens.iter().scan(0u64, |at, &l| { let s = *at; *at += l; Some(s) }).collect();
@@ -949,48 +1126,35 @@ impl Reader {
                 .blocks_of(iovs)
                 .filter(|(_, ids)| ids.len() as u64 * bb == len && starts[*i].is_multiple_of(bb));
             let Some((layer, ids)) = located else {
-                return Err(Failure::Link(
-                    "the destination is not whole blocks of one layer".into(),
-                ));
+                return Err("the destination is not whole blocks of one layer".into());
             };
             chunks.push((layer, ids, (starts[*i] / bb) as u32));
         }
-        let turn = tokio::select! {
-            t = gpu_turn(gpu.ordinal).lock_owned() => t,
-            _ = closed.wait_for(|c| *c != Closed::Open) => return Err(Failure::Link("link closed".into())),
-        };
-        link.reply(&Control::Go(true))
-            .await
-            .map_err(|e| Failure::Link(e.to_string()))?;
-        let (g, closing) = (Arc::clone(gpu), link.closing.clone());
-        let received = tokio::task::spawn_blocking(move || {
-            let _turn = turn;
-            g.transfer(Dir::Recv, total as usize, &closing)
-        });
-        let report = tokio::select! {
-            m = wire::read(rd) => match m {
-                Ok(Control::Sent(verdict)) => Ok(verdict),
-                Ok(other) => Err(format!("expected the sender's report, got {other:?}")),
-                Err(e) => Err(e),
-            },
-            _ = closed.wait_for(|c| *c != Closed::Open) => Err("link closed".to_string()),
-        };
-        if let Err(reason) = &report {
-            link.state.fail(reason.clone()); // ends the receive's wait
+        let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
+        let k = gpu.next_buffer();
+        gpu.enqueue_p2p(Dir::Recv, k, total as usize).map_err(|e| format!("receiving chunks through NCCL: {e}"))?;
+        link.until_issued(gpu).await.map_err(|e| format!("receiving chunks through NCCL: {e}"))?;
+        gpu.record_net(k)?;
+        super::kv_trace!("nccl batch of {} receive posted", lens.len());
+        if let Err(reason) = staged {
+            if !tokens.is_empty() {
+                link.submit(Job::Failed { tokens, reason: format!("the sender could not stage the payload: {reason}") });
+            }
+            return Ok(());
         }
-        let received = received.await.unwrap_or_else(|e| Err(e.to_string()));
-        let verdict = report.map_err(Failure::Link)?;
-        received.map_err(|e| Failure::Link(format!("receiving chunks through NCCL: {e}")))?;
-        verdict.map_err(|e| {
-            Failure::Payload(format!("the sender could not stage the payload: {e}"))
-        })?;
-        super::kv_trace!("nccl batch of {} received", lens.len());
-        let sums = t
-            .staging_move(gpu, chunks, false, None)
-            .await
-            .map_err(|e| Failure::Payload(format!("scattering chunks: {e}")))?;
-        super::kv_trace!("nccl batch of {} scattered and verified", lens.len());
-        Ok(sums)
+        if chunks.is_empty() {
+            return Ok(()); // nothing wanted: the bytes land in staging and stay there
+        }
+        let (slot, permit) = t.slot(&link.closing).await?;
+        match t.enqueue_move(gpu, k, slot, &chunks, false, None) {
+            Ok(pull) => link.submit(Job::Scattered { pull, slot, _permit: permit, tokens, _gpu: Arc::clone(gpu) }),
+            Err(e) => {
+                // (A pull that failed to start has run out: its slot is free again.)
+                lock(&t.free_slots).push(slot);
+                link.submit(Job::Failed { tokens, reason: format!("scattering chunks: {e}") });
+            }
+        }
+        Ok(())
     }
 }
 

@@ -269,19 +269,23 @@ pub(crate) enum Dir {
 }
 
 impl Comm {
-    /// Starts creating rank `rank` of a communicator of `nranks` (nonblocking: poll [`Comm::ready`]).
+    /// Creates rank `rank` of a communicator of `nranks`: `blocking` returns when every rank joined
+    /// (or failed); otherwise it returns at once and [`Comm::ready`] says when it is made. A
+    /// nonblocking communicator hands every later operation to a thread NCCL starts for it (~100 us
+    /// before the operation reaches the stream); a blocking one launches it in the calling thread.
     /// The calling thread must have the device's context current.
     pub(crate) fn start(
         api: &'static Api,
         id: &UniqueId,
         rank: i32,
         nranks: i32,
+        blocking: bool,
     ) -> std::result::Result<Comm, String> {
         let mut config = ConfigV21400 {
             size: std::mem::size_of::<ConfigV21400>(),
             magic: CONFIG_MAGIC,
             version: MIN_VERSION as c_uint,
-            blocking: 0,
+            blocking: c_int::from(blocking),
             cga_cluster_size: CONFIG_UNDEF_INT,
             min_ctas: CONFIG_UNDEF_INT,
             max_ctas: CONFIG_UNDEF_INT,
@@ -441,31 +445,6 @@ impl Drop for DeviceBuffer {
                 let _ = unsafe { cudarc::driver::result::free_sync(ptr) };
             }
         });
-    }
-}
-
-/// Waits until `stream` has run everything queued on it, polling so that `stop` (the link closing)
-/// ends the wait. A spin for the first microseconds (a chunk is tens of microseconds on NVLink),
-/// then short sleeps.
-pub(crate) fn wait_stream(
-    stream: CuStream,
-    mut stop: impl FnMut() -> std::result::Result<(), String>,
-) -> std::result::Result<(), String> {
-    use cudarc::driver::sys::{CUresult, cuStreamQuery};
-    let since = Instant::now();
-    let mut polls = 0u32;
-    loop {
-        // SAFETY: a live stream of the caller's (bound) context.
-        match unsafe { cuStreamQuery(stream as _) } {
-            CUresult::CUDA_SUCCESS => return Ok(()),
-            CUresult::CUDA_ERROR_NOT_READY => {}
-            e => return Err(format!("the transfer failed on the GPU: {e:?}")),
-        }
-        polls = polls.wrapping_add(1);
-        if polls.is_multiple_of(64) {
-            stop()?;
-        }
-        backoff(since);
     }
 }
 

@@ -7,7 +7,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::ffi::{UNIQUE_ID_BYTES, UniqueId, version_text};
 
 /// Version of this control protocol.
-pub(crate) const VERSION: u16 = 2;
+pub(crate) const VERSION: u16 = 3;
 /// Largest control message body.
 pub(crate) const MAX_MESSAGE: usize = 64 * 1024;
 /// Longest reason text carried (longer ones are cut at a character boundary).
@@ -17,8 +17,7 @@ const K_HELLO: u8 = 1;
 const K_ACCEPT: u8 = 2;
 const K_REFUSE: u8 = 3;
 const K_MSG: u8 = 4;
-const K_GO: u8 = 5;
-const K_SENT: u8 = 6;
+// (5 and 6 were protocol 2's go-ahead and send report.)
 const K_BATCH: u8 = 7;
 /// Most payload messages in one [`Control::Batch`].
 pub(crate) const MAX_BATCH: usize = 32;
@@ -124,15 +123,17 @@ pub(crate) enum Control {
         header: Vec<u8>,
     },
     /// Sender → receiver: up to [`MAX_BATCH`] transport messages whose payloads (each `(payload
-    /// bytes, frame header)`, bytes positive) follow through NCCL as one send, back to back in
-    /// this order, if the receiver wants any of them.
-    Batch(Vec<(u64, Vec<u8>)>),
-    /// Receiver → sender, for a batch: `true` the receive is posted (send it), `false` the
-    /// receiver discards every payload of it (send nothing).
-    Go(bool),
-    /// Sender → receiver after its send completed: whether the bytes sent are the payloads (`Err`:
-    /// staging failed; the bytes were sent anyway, to keep the pair's NCCL operations matched).
-    Sent(Result<(), String>),
+    /// bytes, frame header)`, bytes positive) come through NCCL as one send, back to back in this
+    /// order — a send already enqueued when this is written, so the receiver always posts the
+    /// matching receive, whether it wants the payloads or not. `staged`: whether the bytes sent are
+    /// the payloads (`Err`: the sender could not stage them; it sends its buffer anyway, to keep
+    /// the pair's NCCL operations matched).
+    Batch {
+        /// `(payload bytes, frame header)` of each message.
+        items: Vec<(u64, Vec<u8>)>,
+        /// The sender's staging verdict.
+        staged: Result<(), String>,
+    },
 }
 
 fn cut(reason: &str) -> &str {
@@ -150,9 +151,7 @@ impl Control {
             Control::Accept(..) => K_ACCEPT,
             Control::Refuse(_) => K_REFUSE,
             Control::Msg { .. } => K_MSG,
-            Control::Batch(_) => K_BATCH,
-            Control::Go(_) => K_GO,
-            Control::Sent(_) => K_SENT,
+            Control::Batch { .. } => K_BATCH,
         }
     }
 
@@ -173,19 +172,20 @@ impl Control {
                 body.extend_from_slice(&payload_len.to_le_bytes());
                 body.extend_from_slice(header);
             }
-            Control::Batch(items) => {
+            Control::Batch { items, staged } => {
                 body.extend_from_slice(&(items.len() as u32).to_le_bytes());
                 for (len, header) in items {
                     body.extend_from_slice(&len.to_le_bytes());
                     body.extend_from_slice(&(header.len() as u32).to_le_bytes());
                     body.extend_from_slice(header);
                 }
-            }
-            Control::Go(ready) => body.push(u8::from(*ready)),
-            Control::Sent(Ok(())) => body.push(1),
-            Control::Sent(Err(reason)) => {
-                body.push(0);
-                body.extend_from_slice(cut(reason).as_bytes());
+                match staged {
+                    Ok(()) => body.push(1),
+                    Err(reason) => {
+                        body.push(0);
+                        body.extend_from_slice(cut(reason).as_bytes());
+                    }
+                }
             }
         }
         let mut out = Vec::with_capacity(5 + body.len());
@@ -233,18 +233,13 @@ impl Control {
                     r.buf = rest;
                     items.push((len, header.to_vec()));
                 }
-                Control::Batch(items)
+                let staged = match r.u8()? {
+                    1 => Ok(()),
+                    0 => return Ok(Control::Batch { items, staged: Err(text(r.buf)) }),
+                    b => return Err(format!("a staging verdict of {b}")),
+                };
+                Control::Batch { items, staged }
             }
-            K_GO => match r.u8()? {
-                0 => Control::Go(false),
-                1 => Control::Go(true),
-                b => return Err(format!("a go-ahead of {b}")),
-            },
-            K_SENT => match r.u8()? {
-                1 => Control::Sent(Ok(())),
-                0 => return Ok(Control::Sent(Err(text(r.buf)))),
-                b => return Err(format!("a send report of {b}")),
-            },
             k => return Err(format!("unknown nccl control message {k}")),
         };
         if !r.buf.is_empty() {
@@ -342,12 +337,9 @@ mod tests {
                 payload_len: 1 << 24,
                 header: vec![7; 300],
             },
-            Control::Batch(vec![(1 << 23, vec![1; 40])]),
-            Control::Batch(vec![(4096, vec![]), (1 << 20, vec![9; 64]), (7, vec![3])]),
-            Control::Go(true),
-            Control::Go(false),
-            Control::Sent(Ok(())),
-            Control::Sent(Err("the payload is not whole blocks".into())),
+            Control::Batch { items: vec![(1 << 23, vec![1; 40])], staged: Ok(()) },
+            Control::Batch { items: vec![(4096, vec![]), (1 << 20, vec![9; 64]), (7, vec![3])], staged: Ok(()) },
+            Control::Batch { items: vec![(8, vec![2; 3])], staged: Err("the payload is not whole blocks".into()) },
         ]
     }
 
@@ -395,19 +387,24 @@ mod tests {
 
     #[test]
     fn batches_are_bounded() {
-        let batch = |n: usize| Control::Batch((0..n).map(|i| (i as u64 + 1, vec![i as u8])).collect()).encode();
+        let batch = |n: usize| Control::Batch { items: (0..n).map(|i| (i as u64 + 1, vec![i as u8])).collect(), staged: Ok(()) }.encode();
         let full = batch(MAX_BATCH);
         assert!(Control::decode(full[0], &full[5..]).is_ok());
         let over = batch(MAX_BATCH + 1);
         assert!(Control::decode(over[0], &over[5..]).unwrap_err().contains("batch of"));
         let empty = [0u8; 4];
         assert!(Control::decode(K_BATCH, &empty).is_err());
-        let zero = Control::Batch(vec![(0, vec![])]).encode();
+        let zero = Control::Batch { items: vec![(0, vec![])], staged: Ok(()) }.encode();
         assert!(Control::decode(zero[0], &zero[5..]).unwrap_err().contains("empty payload"));
-        // A header longer than what is left.
+        // No staging verdict, and a header longer than what is left.
         let mut cut = batch(1);
         cut.truncate(cut.len() - 1);
+        assert!(Control::decode(cut[0], &cut[5..]).unwrap_err().contains("too short"));
+        cut.truncate(cut.len() - 1);
         assert!(Control::decode(cut[0], &cut[5..]).is_err());
+        let mut odd = batch(1);
+        *odd.last_mut().unwrap() = 7;
+        assert!(Control::decode(odd[0], &odd[5..]).unwrap_err().contains("verdict"));
     }
 
     #[test]
