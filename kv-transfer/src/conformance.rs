@@ -783,8 +783,10 @@ impl Link for FaultyLink {
     }
     fn send(&self, header: Vec<u8>, payload: Payload) -> BoxFuture<'_, crate::Result<()>> {
         Box::pin(async move {
-            let Ok(Frame::Chunk(h)) = Frame::decode(&header) else {
-                return self.inner.send(header, payload).await;
+            let (h, summed) = match Frame::decode(&header) {
+                Ok(Frame::Chunk(h)) => (h, true),
+                Ok(Frame::ChunkUnsummed(h)) => (h, false),
+                _ => return self.inner.send(header, payload).await,
             };
             let n = self.chunks.fetch_add(1, Ordering::SeqCst);
             match self.fault {
@@ -818,7 +820,8 @@ impl Link for FaultyLink {
                     }
                 }
                 Fault::ForeignId(k) if k == n => {
-                    let forged = Frame::Chunk(crate::frame::ChunkHeader { id: h.id ^ 0xabcdef, ..h }).encode();
+                    let forged = crate::frame::ChunkHeader { id: h.id ^ 0xabcdef, ..h };
+                    let forged = if summed { Frame::Chunk(forged) } else { Frame::ChunkUnsummed(forged) }.encode();
                     self.inner.send(forged, payload).await
                 }
                 _ => self.inner.send(header, payload).await,

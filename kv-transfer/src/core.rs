@@ -32,12 +32,15 @@ use crate::transport::{Delivery, Inbox, Landed, Link, Payload, Transport};
 /// Most blocks one chunk covers (so a chunk never needs more than `TANDEM_KV_MAX_IOVS` iovecs).
 pub const MAX_CHUNK_BLOCKS: u32 = 256;
 
-/// The most layers a sender checksums in one call before sending their chunks.
+/// The most layers a sender hands the transport at once (groups grow 1, 2, 4, ... up to this).
 const MAX_GROUP_LAYERS: u32 = 16;
 
 /// Chunks of one transfer a receiver lets land at once (a transport that pipelines, like cuda-ipc,
 /// has several in flight; a sender that announces more is refused).
 const MAX_CHUNKS_IN_FLIGHT: usize = 128;
+/// Most chunks a sender announces unsummed before it sends their checksums (well below what a
+/// receiver lets land at once).
+const MAX_UNSUMMED: usize = MAX_CHUNKS_IN_FLIGHT / 2;
 
 /// Locks a mutex of this crate. A panic while holding one is a bug; the state stays consistent enough to
 /// fail transfers and shut down, so a poisoned lock is taken anyway.
@@ -83,8 +86,9 @@ struct RxTransfer {
     /// Where the next announced chunk must start (chunks come in order).
     next_layer: u32,
     next_block: u32,
-    /// Chunks whose payloads the transport is landing now, oldest first (it reports them in order).
-    pending: VecDeque<ChunkHeader>,
+    /// Chunks announced and not yet settled, oldest first: landing (the transport reports them in
+    /// order), or landed and waiting for their sender checksum.
+    pending: VecDeque<PendingChunk>,
     /// Blocks (over all layers) whose chunks landed and passed verification.
     landed_blocks: u64,
     /// Failed while payloads were pending: finish when the last of them is reported.
@@ -94,6 +98,15 @@ struct RxTransfer {
     started: Option<Instant>,
     bytes: u64,
     timer: Option<AbortHandle>,
+}
+
+/// A chunk on its way in.
+struct PendingChunk {
+    h: ChunkHeader,
+    /// The sender's checksum (`None`: announced unsummed, its `Sums` not here yet).
+    expected: Option<u64>,
+    /// The transport's report: the destination's checksum, or why it did not land (`None`: landing).
+    landed: Option<Result<u64>>,
 }
 
 #[derive(Default)]
@@ -318,6 +331,10 @@ impl Core {
         {
             replies.push((Arc::clone(&link.link), Frame::Abort { id, code, reason: e.to_string() }, false));
         }
+        // Chunks that landed no longer touch the blocks; those still landing must be reported first.
+        while t.pending.front().is_some_and(|p| p.landed.is_some()) {
+            t.pending.pop_front();
+        }
         if !t.pending.is_empty() {
             if let Err(e) = outcome {
                 t.doomed.get_or_insert(e);
@@ -396,7 +413,7 @@ impl Core {
         let delivery = {
             let mut rx = lock(&self.rx);
             let known = rx.links.contains_key(&link.id());
-            if payload_len > 0 && !matches!(frame, Frame::Chunk(_)) {
+            if payload_len > 0 && !matches!(frame, Frame::Chunk(_) | Frame::ChunkUnsummed(_)) {
                 Delivery::CloseLink("payload on a control frame".into())
             } else {
                 match frame {
@@ -428,7 +445,12 @@ impl Core {
                         self.rx_start(&mut rx, link, start, &mut replies);
                         Delivery::Discard
                     }
-                    Frame::Chunk(h) => self.rx_chunk(&mut rx, link, h, payload_len, &mut replies),
+                    Frame::Chunk(h) => self.rx_chunk(&mut rx, link, h, true, payload_len, &mut replies),
+                    Frame::ChunkUnsummed(h) => self.rx_chunk(&mut rx, link, h, false, payload_len, &mut replies),
+                    Frame::Sums { id, sums } => {
+                        self.rx_sums(&mut rx, link, id, sums, &mut replies);
+                        Delivery::Discard
+                    }
                     Frame::Abort { id, code, reason } => {
                         // From the link that started it, or, before any `Start` (a sender sends it
                         // with its first chunks, so it may give up before), from any linked sender
@@ -493,7 +515,8 @@ impl Core {
         }
     }
 
-    fn rx_chunk(&self, rx: &mut Rx, link: &Arc<dyn Link>, h: ChunkHeader, payload_len: u64, replies: &mut Replies) -> Delivery {
+    /// A chunk announced with its checksum (`summed`) or without (its `Sums` follows).
+    fn rx_chunk(&self, rx: &mut Rx, link: &Arc<dyn Link>, h: ChunkHeader, summed: bool, payload_len: u64, replies: &mut Replies) -> Delivery {
         let geometry = self.memory.geometry();
         let bb = geometry.block_bytes() as u64;
         if payload_len > u64::from(MAX_CHUNK_BLOCKS) * bb {
@@ -543,81 +566,140 @@ impl Core {
             t.next_block = 0;
             t.next_layer += 1;
         }
-        t.pending.push_back(h);
+        t.pending.push_back(PendingChunk { h, expected: summed.then_some(h.checksum), landed: None });
         crate::transport::kv_trace!("rx {id:x} layer {} block {} announced", h.layer, h.block_start);
         Delivery::Into { iovs, token: id }
     }
 
     fn rx_payload(&self, token: u64, result: std::result::Result<Landed, String>) {
         let id = token;
+        // The chunk this report is for: the oldest one still landing (transports report in order).
         let header = {
             let rx = lock(&self.rx);
-            match rx.transfers.get(&id).and_then(|t| t.pending.front().map(|&h| (h, t.doomed.is_some(), t.blocks.clone()))) {
+            match rx.transfers.get(&id).and_then(|t| {
+                t.pending.iter().find(|p| p.landed.is_none()).map(|p| (p.h, t.doomed.is_some(), t.blocks.clone()))
+            }) {
                 Some(v) => v,
                 None => return,
             }
         };
         let (h, doomed, blocks) = header;
-        // Verify outside the lock: the claim is still ours and the payload is complete.
-        let verdict = match result {
+        // The destination's checksum, summed here (outside the lock) if the transport did not.
+        let landed = match result {
             Err(e) => Err(Error::LinkFailed { peer: "sender".into(), reason: format!("payload not delivered: {e}") }),
-            Ok(_) if doomed => Ok(()),
-            Ok(landed) => {
-                let start = h.block_start as usize;
-                let sum = match landed.checksum {
-                    Some(sum) => Ok(sum),
-                    None => self.chunk_checksums(&[(h.layer, start, h.block_count as usize)], &blocks).map(|sums| sums[0]),
-                };
-                match sum {
-                    Err(e) => Err(e),
-                    Ok(sum) if sum == h.checksum => Ok(()),
-                    Ok(_) => Err(Error::Integrity {
-                        id,
-                        reason: format!(
-                            "checksum mismatch in layer {} blocks {}..{}",
-                            h.layer,
-                            h.block_start,
-                            h.block_start + h.block_count
-                        ),
-                    }),
+            Ok(_) if doomed => Ok(0),
+            Ok(landed) => match landed.checksum {
+                Some(sum) => Ok(sum),
+                None => {
+                    let start = h.block_start as usize;
+                    self.chunk_checksums(&[(h.layer, start, h.block_count as usize)], &blocks).map(|sums| sums[0])
                 }
-            }
+            },
         };
         let mut replies = Vec::new();
         {
             let mut rx = lock(&self.rx);
-            let num_layers = self.memory.geometry().num_layers();
             let Some(t) = rx.transfers.get_mut(&id) else { return };
-            t.pending.pop_front();
+            let Some(p) = t.pending.iter_mut().find(|p| p.landed.is_none()) else { return };
+            p.landed = Some(landed);
             crate::transport::kv_trace!("rx {id:x} layer {} block {} landed", h.layer, h.block_start);
-            if t.doomed.is_some() {
-                if t.pending.is_empty() {
-                    let e = t.doomed.take().expect("checked");
-                    self.rx_end(&mut rx, id, Err(e), None, &mut replies);
-                }
-            } else if let Err(e) = verdict {
-                self.rx_end(&mut rx, id, Err(e), Some(AbortCode::Integrity), &mut replies);
-            } else {
-                let n = t.blocks.len() as u64;
-                let before = t.landed_blocks / n;
-                t.bytes += h.byte_len;
-                t.landed_blocks += u64::from(h.block_count);
-                let layers = (t.landed_blocks / n) as u32;
-                if u64::from(layers) > before && layers < num_layers {
-                    let bytes = t.bytes;
-                    t.progress.send_modify(|p| {
-                        p.layers = layers;
-                        p.bytes = bytes;
-                    });
-                } else if layers == num_layers {
-                    if let Some(link) = t.link.and_then(|l| rx.links.get(&l)) {
-                        replies.push((Arc::clone(&link.link), Frame::Done { id }, false));
-                    }
-                    self.rx_end(&mut rx, id, Ok(()), None, &mut replies);
-                }
-            }
+            self.rx_settle(&mut rx, id, &mut replies);
         }
         self.reply(replies);
+    }
+
+    /// A `Sums` frame: the sender's checksums of the oldest chunks it announced unsummed.
+    fn rx_sums(&self, rx: &mut Rx, link: &Arc<dyn Link>, id: u64, sums: Vec<u64>, replies: &mut Replies) {
+        if rx.ended.contains(&id) {
+            return;
+        }
+        let Some(t) = rx.transfers.get_mut(&id) else {
+            let reason = "unexpected checksums: no such transfer in flight here";
+            replies.push((Arc::clone(link), Frame::Abort { id, code: AbortCode::Rejected, reason: reason.into() }, false));
+            return;
+        };
+        if t.link != Some(link.id()) {
+            let reason = "checksums before the start frame, or from another link".to_string();
+            self.rx_end(rx, id, Err(Error::Integrity { id, reason }), Some(AbortCode::Integrity), replies);
+            return;
+        }
+        if t.doomed.is_some() {
+            return;
+        }
+        let mut sums = sums.into_iter();
+        for p in t.pending.iter_mut().filter(|p| p.expected.is_none()) {
+            match sums.next() {
+                Some(sum) => p.expected = Some(sum),
+                None => break,
+            }
+        }
+        if sums.next().is_some() {
+            let reason = "checksums for chunks never announced".to_string();
+            self.rx_end(rx, id, Err(Error::Integrity { id, reason }), Some(AbortCode::Integrity), replies);
+            return;
+        }
+        self.rx_settle(rx, id, replies);
+    }
+
+    /// Settles transfer `id`'s oldest chunks that landed and whose checksums are known, in order:
+    /// compares, counts progress, completes or fails the transfer. A failed transfer drops the
+    /// chunks that landed and finishes when the last one still landing is reported.
+    fn rx_settle(&self, rx: &mut Rx, id: u64, replies: &mut Replies) {
+        let num_layers = self.memory.geometry().num_layers();
+        loop {
+            let Some(t) = rx.transfers.get_mut(&id) else { return };
+            if t.doomed.is_some() {
+                while t.pending.front().is_some_and(|p| p.landed.is_some()) {
+                    t.pending.pop_front();
+                }
+                if t.pending.is_empty() {
+                    let e = t.doomed.take().expect("checked");
+                    self.rx_end(rx, id, Err(e), None, replies);
+                }
+                return;
+            }
+            let Some(front) = t.pending.front() else { return };
+            let sum = match &front.landed {
+                None => return,
+                Some(Err(_)) => None,
+                Some(Ok(sum)) => match front.expected {
+                    None => return, // its checksum has not come yet
+                    Some(expected) => Some((*sum, expected)),
+                },
+            };
+            let mut p = t.pending.pop_front().expect("checked");
+            let h = p.h;
+            let verdict = match (sum, p.landed.take()) {
+                (_, Some(Err(e))) => Err(e),
+                (Some((sum, expected)), _) if sum == expected => Ok(()),
+                _ => Err(Error::Integrity {
+                    id,
+                    reason: format!("checksum mismatch in layer {} blocks {}..{}", h.layer, h.block_start, h.block_start + h.block_count),
+                }),
+            };
+            if let Err(e) = verdict {
+                self.rx_end(rx, id, Err(e), Some(AbortCode::Integrity), replies);
+                continue; // settles (or drops) the chunks that landed behind it
+            }
+            let n = t.blocks.len() as u64;
+            let before = t.landed_blocks / n;
+            t.bytes += h.byte_len;
+            t.landed_blocks += u64::from(h.block_count);
+            let layers = (t.landed_blocks / n) as u32;
+            if u64::from(layers) > before && layers < num_layers {
+                let bytes = t.bytes;
+                t.progress.send_modify(|p| {
+                    p.layers = layers;
+                    p.bytes = bytes;
+                });
+            } else if layers == num_layers {
+                if let Some(link) = t.link.and_then(|l| rx.links.get(&l)) {
+                    replies.push((Arc::clone(&link.link), Frame::Done { id }, false));
+                }
+                self.rx_end(rx, id, Ok(()), None, replies);
+                return;
+            }
+        }
     }
 
     // ---------------------------------------------------------------- sender side
@@ -752,7 +834,7 @@ impl Core {
                 }
                 Delivery::Discard
             }
-            Frame::Hello { .. } | Frame::Start { .. } | Frame::Chunk(_) => {
+            Frame::Hello { .. } | Frame::Start { .. } | Frame::Chunk(_) | Frame::ChunkUnsummed(_) | Frame::Sums { .. } => {
                 Delivery::CloseLink("sender-side frame on an outgoing link".into())
             }
         }
@@ -969,6 +1051,8 @@ impl SendJob {
             let mut layer = 0;
             let mut group = 1;
             let mut first_sent = false;
+            // Chunks announced unsummed whose checksums have not been sent yet.
+            let mut unsummed: Vec<(u32, usize, usize)> = Vec::new();
             while layer < num_layers {
                 // Wait until the owner pushed this layer, unless the receiver already gave up.
                 tokio::select! {
@@ -992,14 +1076,26 @@ impl SendJob {
                 // waiting before each.
                 let delay = crate::transport::chunk_delay_from_env();
                 let step = if core.device.is_some() { chunks.len() } else { 1 };
+                if unsummed.len() + chunks.len() > MAX_UNSUMMED {
+                    send_sums(&core, &link, desc.id, &mut unsummed, self.claim.blocks()).await?;
+                }
+                // Device pools announce a group's chunks first and sum them while they move (a
+                // `Sums` frame follows), which keeps the checksum off the bytes' path; host pools
+                // (and the pacing hook) sum each chunk before announcing it.
+                let later = core.device.is_some() && delay.is_none();
                 for part in chunks.chunks(step) {
-                    let sums = core.chunk_checksums(part, self.claim.blocks())?;
-                    crate::transport::kv_trace!("tx {:x} {} chunks from layer {} checksummed", desc.id, part.len(), part[0].0);
+                    let sums = if later {
+                        None
+                    } else {
+                        let sums = core.chunk_checksums(part, self.claim.blocks())?;
+                        crate::transport::kv_trace!("tx {:x} {} chunks from layer {} checksummed", desc.id, part.len(), part[0].0);
+                        Some(sums)
+                    };
                     let mut batch = Vec::with_capacity(part.len() + 1);
                     if let Some(start) = start.take() {
                         batch.push((start, Payload::empty()));
                     }
-                    for (i, (&(l, first, count), checksum)) in part.iter().zip(sums).enumerate() {
+                    for (i, &(l, first, count)) in part.iter().enumerate() {
                         let blocks = &self.claim.blocks()[first..first + count];
                         let header = ChunkHeader {
                             id: desc.id,
@@ -1007,10 +1103,11 @@ impl SendJob {
                             block_start: first as u32,
                             block_count: count as u32,
                             byte_len: (count * bb) as u64,
-                            checksum,
+                            checksum: sums.as_ref().map_or(0, |s| s[i]),
                         };
+                        let frame = if sums.is_some() { Frame::Chunk(header) } else { Frame::ChunkUnsummed(header) };
                         let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
-                        batch.push((Frame::Chunk(header).encode(), Payload::new(memory.iovs(l, blocks), hold)));
+                        batch.push((frame.encode(), Payload::new(memory.iovs(l, blocks), hold)));
                         if delay.is_none() && i + 1 < part.len() {
                             continue;
                         }
@@ -1035,6 +1132,16 @@ impl SendJob {
                             tracing::debug!(id = desc.id, peer = link.peer(), "KV transfer: first chunk sent");
                         }
                     }
+                    if later {
+                        unsummed.extend_from_slice(part);
+                    }
+                }
+                // The announced chunks are summed (one device call) when no further layer is ready
+                // to announce — so a sender with many layers ready announces them all first — or
+                // when enough wait for their checksums.
+                let more_ready = *self.pushed.borrow() > end && end < num_layers;
+                if !more_ready || unsummed.len() >= MAX_UNSUMMED {
+                    send_sums(&core, &link, desc.id, &mut unsummed, self.claim.blocks()).await?;
                 }
                 let sent: u64 = chunks.iter().map(|&(_, _, count)| (count * bb) as u64).sum();
                 self.progress.send_modify(|p| {
@@ -1053,6 +1160,20 @@ impl SendJob {
             _ = cancel.wait_for(|c| *c) => Err(cancelled),
         }
     }
+}
+
+/// Sums the chunks a sender announced unsummed (one device call) and sends their checksums, in order.
+async fn send_sums(core: &Core, link: &Arc<dyn Link>, id: u64, chunks: &mut Vec<(u32, usize, usize)>, blocks: &[u32]) -> Result<()> {
+    if chunks.is_empty() {
+        return Ok(());
+    }
+    let sums = core.chunk_checksums(chunks, blocks)?;
+    crate::transport::kv_trace!("tx {id:x} {} chunks from layer {} checksummed", chunks.len(), chunks[0].0);
+    for sums in sums.chunks(frame::MAX_SUMS) {
+        link.send(Frame::Sums { id, sums: sums.to_vec() }.encode(), Payload::empty()).await?;
+    }
+    chunks.clear();
+    Ok(())
 }
 
 /// The receiver answered before we finished sending: that is always a failure.
@@ -1136,9 +1257,15 @@ mod tests {
     }
 
     fn chunk(core: &Core, link: &Arc<dyn Link>, id: u64, layer: u32, n: u32, checksum: u64) -> u64 {
+        announce(core, link, id, layer, n, Some(checksum))
+    }
+
+    /// A chunk announced with its checksum, or (`None`) unsummed, its checksum in a later `Sums`.
+    fn announce(core: &Core, link: &Arc<dyn Link>, id: u64, layer: u32, n: u32, checksum: Option<u64>) -> u64 {
         let bb = geometry().block_bytes() as u64;
-        let h = ChunkHeader { id, layer, block_start: 0, block_count: n, byte_len: u64::from(n) * bb, checksum };
-        match core.on_message(link, &Frame::Chunk(h).encode(), h.byte_len) {
+        let h = ChunkHeader { id, layer, block_start: 0, block_count: n, byte_len: u64::from(n) * bb, checksum: checksum.unwrap_or(0) };
+        let frame = if checksum.is_some() { Frame::Chunk(h) } else { Frame::ChunkUnsummed(h) };
+        match core.on_message(link, &frame.encode(), h.byte_len) {
             Delivery::Into { iovs, token } => {
                 assert_eq!(iovs.iter().map(|i| i.len as u64).sum::<u64>(), h.byte_len);
                 token
@@ -1189,6 +1316,69 @@ mod tests {
         assert_eq!(core.memory().claimed_blocks(), 0);
         tokio::task::yield_now().await;
         assert!(lock(&recorder.frames).iter().any(|f| matches!(f, Frame::Abort { id: i, code: AbortCode::Integrity, .. } if *i == id)));
+    }
+
+    fn sums(core: &Core, link: &Arc<dyn Link>, id: u64, sums: &[u64]) {
+        let frame = Frame::Sums { id, sums: sums.to_vec() };
+        assert!(matches!(core.on_message(link, &frame.encode(), 0), Delivery::Discard));
+    }
+
+    #[tokio::test]
+    async fn chunks_announced_unsummed_settle_when_their_checksums_come() {
+        let (core, link, recorder, recv) = started(vec![3, 1]).await;
+        let id = recv.descriptor().id;
+        let t0 = announce(&core, &link, id, 0, 2, None);
+        let t1 = announce(&core, &link, id, 1, 2, None);
+        core.on_payload(&link, t0, landed(50));
+        assert_eq!(recv.progress().layers, 0, "a landed chunk waits for its sender's checksum");
+        sums(&core, &link, id, &[50]);
+        assert_eq!(recv.progress().layers, 1);
+        // A checksum may also come before its chunk landed, and the last layer arrives summed.
+        sums(&core, &link, id, &[51]);
+        let t2 = announce(&core, &link, id, 2, 2, Some(52));
+        core.on_payload(&link, t1, landed(51));
+        assert_eq!(recv.progress().layers, 2);
+        core.on_payload(&link, t2, landed(52));
+        assert!(matches!(recv.progress().state, TransferState::Complete(_)));
+        assert_eq!(core.memory().claimed_blocks(), 0);
+        tokio::task::yield_now().await;
+        assert!(lock(&recorder.frames).contains(&Frame::Done { id }));
+    }
+
+    #[tokio::test]
+    async fn a_late_checksum_that_disagrees_fails_the_transfer_and_frees_its_blocks() {
+        let (core, link, recorder, recv) = started(vec![2, 6]).await;
+        let id = recv.descriptor().id;
+        let t0 = announce(&core, &link, id, 0, 2, None);
+        let t1 = announce(&core, &link, id, 1, 2, None);
+        core.on_payload(&link, t0, landed(9));
+        core.on_payload(&link, t1, landed(10));
+        assert_eq!(core.memory().claimed_blocks(), 2, "landed chunks keep the claim until checked");
+        sums(&core, &link, id, &[9, 11]);
+        match recv.progress().state {
+            TransferState::Failed(Error::Integrity { reason, .. }) => assert!(reason.contains("checksum mismatch in layer 1"), "{reason}"),
+            other => panic!("expected an integrity failure, got {other:?}"),
+        }
+        assert_eq!(recv.progress().layers, 1);
+        assert_eq!(core.memory().claimed_blocks(), 0, "nothing is landing any more: the blocks are free at once");
+        tokio::task::yield_now().await;
+        assert!(lock(&recorder.frames).iter().any(|f| matches!(f, Frame::Abort { id: i, code: AbortCode::Integrity, .. } if *i == id)));
+    }
+
+    #[tokio::test]
+    async fn checksums_for_chunks_never_announced_are_refused() {
+        let (core, link, _recorder, recv) = started(vec![4]).await;
+        let id = recv.descriptor().id;
+        let t0 = announce(&core, &link, id, 0, 1, None);
+        sums(&core, &link, id, &[1, 2]);
+        // The chunk still landing keeps its block until reported; then the transfer has failed.
+        assert!(matches!(recv.progress().state, TransferState::Pending));
+        core.on_payload(&link, t0, landed(1));
+        match recv.progress().state {
+            TransferState::Failed(Error::Integrity { reason, .. }) => assert!(reason.contains("never announced"), "{reason}"),
+            other => panic!("expected an integrity failure, got {other:?}"),
+        }
+        assert_eq!(core.memory().claimed_blocks(), 0);
     }
 
     #[tokio::test]

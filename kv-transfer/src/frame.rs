@@ -3,7 +3,7 @@
 //! message header and the payload separately.
 //!
 //! Header layout: `magic u32 | kind u8 | 0u8 | 0u16 | body_len u32 | body | xxh3_32(prefix ++ body) u32`.
-//! Only `Chunk` frames have a payload; its length is the chunk's `byte_len`.
+//! Only `Chunk` and `ChunkUnsummed` frames have a payload; its length is the chunk's `byte_len`.
 //!
 //! Invariants:
 //! - Decoding never panics and never allocates more than [`MAX_HEADER`] bytes, whatever the input
@@ -21,8 +21,11 @@ fn xxh3_64(bytes: &[u8]) -> u64 {
 
 use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
 
-/// Protocol version spoken by this build; the handshake refuses any other.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Protocol version spoken by this build; the handshake refuses any other. (3: chunks announced
+/// before their checksum, `ChunkUnsummed` and `Sums`.)
+pub const PROTOCOL_VERSION: u16 = 3;
+/// Most checksums in one [`Frame::Sums`].
+pub const MAX_SUMS: usize = 256;
 /// Largest encoded frame header (matches `TANDEM_KV_MAX_HEADER` in the C header).
 pub const MAX_HEADER: usize = 4096;
 /// Bytes before the body: magic, kind, two reserved bytes... see the module doc.
@@ -121,6 +124,18 @@ pub enum Frame {
     },
     /// Sender → receiver: one chunk; `byte_len` payload bytes follow.
     Chunk(ChunkHeader),
+    /// Sender → receiver: one chunk whose checksum comes later, in a [`Frame::Sums`] (protocol 3: a
+    /// sender of device memory announces a group of chunks first and sums them while they move);
+    /// the header's `checksum` is not used. `byte_len` payload bytes follow.
+    ChunkUnsummed(ChunkHeader),
+    /// Sender → receiver: the checksums of transfer `id`'s oldest chunks announced unsummed whose
+    /// checksums have not come yet, in order (1 to [`MAX_SUMS`]).
+    Sums {
+        /// Transfer id.
+        id: u64,
+        /// One checksum per chunk.
+        sums: Vec<u64>,
+    },
     /// Receiver → sender: every chunk of `id` landed and verified.
     Done {
         /// Transfer id.
@@ -179,6 +194,8 @@ fn kind_of(frame: &Frame) -> u8 {
         Frame::Chunk(_) => 5,
         Frame::Done { .. } => 6,
         Frame::Abort { .. } => 7,
+        Frame::ChunkUnsummed(_) => 8,
+        Frame::Sums { .. } => 9,
     }
 }
 
@@ -221,7 +238,7 @@ impl Frame {
                 body.extend_from_slice(&blocks_hash.to_le_bytes());
                 body.extend_from_slice(&binding.to_le_bytes());
             }
-            Frame::Chunk(c) => {
+            Frame::Chunk(c) | Frame::ChunkUnsummed(c) => {
                 body.extend_from_slice(&c.id.to_le_bytes());
                 body.extend_from_slice(&c.layer.to_le_bytes());
                 body.extend_from_slice(&c.block_start.to_le_bytes());
@@ -230,6 +247,13 @@ impl Frame {
                 body.extend_from_slice(&c.checksum.to_le_bytes());
             }
             Frame::Done { id } => body.extend_from_slice(&id.to_le_bytes()),
+            Frame::Sums { id, sums } => {
+                body.extend_from_slice(&id.to_le_bytes());
+                body.extend_from_slice(&(sums.len() as u16).to_le_bytes());
+                for sum in sums {
+                    body.extend_from_slice(&sum.to_le_bytes());
+                }
+            }
             Frame::Abort { id, code, reason } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.push(code.code());
@@ -302,14 +326,26 @@ impl Frame {
             2 => Frame::HelloAck { version: r.u16()? },
             3 => Frame::HelloReject { reason: r.string()? },
             4 => Frame::Start { id: r.u64()?, num_blocks: r.u32()?, blocks_hash: r.u64()?, binding: r.u64()? },
-            5 => Frame::Chunk(ChunkHeader {
-                id: r.u64()?,
-                layer: r.u32()?,
-                block_start: r.u32()?,
-                block_count: r.u32()?,
-                byte_len: r.u64()?,
-                checksum: r.u64()?,
-            }),
+            5 | 8 => {
+                let h = ChunkHeader {
+                    id: r.u64()?,
+                    layer: r.u32()?,
+                    block_start: r.u32()?,
+                    block_count: r.u32()?,
+                    byte_len: r.u64()?,
+                    checksum: r.u64()?,
+                };
+                if prefix[4] == 5 { Frame::Chunk(h) } else { Frame::ChunkUnsummed(h) }
+            }
+            9 => {
+                let id = r.u64()?;
+                let n = r.u16()? as usize;
+                if n == 0 || n > MAX_SUMS {
+                    return err(format!("a sums frame of {n} checksums"));
+                }
+                let sums = (0..n).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
+                Frame::Sums { id, sums }
+            }
             6 => Frame::Done { id: r.u64()? },
             7 => {
                 let id = r.u64()?;
@@ -379,6 +415,8 @@ mod tests {
             Frame::HelloReject { reason: "block_size 16 != 32".into() },
             Frame::Start { id: 0xdead_beef, num_blocks: 7, blocks_hash: blocks_hash(&[1, 2, 3]), binding: 0x1234_5678_9abc_def0 },
             Frame::Chunk(ChunkHeader { id: 9, layer: 2, block_start: 4, block_count: 3, byte_len: 1536, checksum: 77 }),
+            Frame::ChunkUnsummed(ChunkHeader { id: 9, layer: 3, block_start: 0, block_count: 1, byte_len: 512, checksum: 0 }),
+            Frame::Sums { id: 9, sums: vec![1, u64::MAX, 0x0123_4567_89ab_cdef] },
             Frame::Done { id: u64::MAX },
             Frame::Abort { id: 1, code: AbortCode::Integrity, reason: "checksum ✗".into() },
         ]
@@ -404,6 +442,17 @@ mod tests {
                 assert!(Frame::decode(&b).is_err(), "{f:?} bit {bit}");
             }
         }
+    }
+
+    #[test]
+    fn sums_frames_are_bounded() {
+        let full = Frame::Sums { id: 1, sums: vec![7; MAX_SUMS] };
+        assert_eq!(Frame::decode(&full.encode()).unwrap(), full);
+        assert!(full.encode().len() <= MAX_HEADER);
+        let over = Frame::Sums { id: 1, sums: vec![7; MAX_SUMS + 1] }.encode();
+        assert!(Frame::decode(&over).unwrap_err().0.contains("sums frame of"));
+        let empty = Frame::Sums { id: 1, sums: vec![] }.encode();
+        assert!(Frame::decode(&empty).unwrap_err().0.contains("sums frame of 0"));
     }
 
     #[test]
@@ -453,7 +502,7 @@ mod tests {
         }
 
         #[test]
-        fn garbage_behind_a_valid_prefix_never_panics(kind in 0u8..10, body in proptest::collection::vec(any::<u8>(), 0..200)) {
+        fn garbage_behind_a_valid_prefix_never_panics(kind in 0u8..12, body in proptest::collection::vec(any::<u8>(), 0..200)) {
             // A well-formed prefix and trailer around random bodies reaches every body decoder.
             let mut out = Vec::new();
             out.extend_from_slice(&MAGIC.to_le_bytes());

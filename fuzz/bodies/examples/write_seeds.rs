@@ -73,6 +73,8 @@ fn kv_frame() -> Res<()> {
         ("hello-reject", Frame::HelloReject { reason: "block_size 16 != 32".into() }),
         ("start", start.clone()),
         ("chunk", Frame::Chunk(chunk)),
+        ("chunk-unsummed", Frame::ChunkUnsummed(ChunkHeader { checksum: 0, ..chunk })),
+        ("sums", Frame::Sums { id: 7, sums: vec![chunk.checksum, 1, u64::MAX] }),
         ("done", Frame::Done { id: 7 }),
         ("abort", Frame::Abort { id: 7, code: AbortCode::Timeout, reason: "deadline passed".into() }),
         // The encoder cuts reasons to its limit: these are the longest reasons it emits.

@@ -473,7 +473,7 @@ impl Reader {
         header[..PREFIX_LEN].copy_from_slice(&prefix);
         Self::read_exact(rd, &mut header[PREFIX_LEN..], closed, deadline).await?;
         let payload_len = match Frame::decode(&header) {
-            Ok(Frame::Chunk(h)) => h.byte_len,
+            Ok(Frame::Chunk(h) | Frame::ChunkUnsummed(h)) => h.byte_len,
             Ok(_) => 0,
             Err(e) => return Err(e.to_string()),
         };
