@@ -7,9 +7,10 @@
 //! (`ncclGetUniqueId`, rank 0) and answers with its own; both ends then create the communicator in
 //! the background while the connector's handshake runs (blocking `ncclCommInitRankConfig`, on a
 //! thread of its own that the link stops waiting for after 60 s: a nonblocking communicator would
-//! start a thread for every operation, ~100 us before it reaches the stream), allocate two staging buffers each (64 MiB, or one chunk if more), used in turn, and have
-//! NCCL connect the pair with a one-byte send (NCCL connects point-to-point channels on their first
-//! operation, which would otherwise fall on the first transfer).
+//! start a thread for every operation, ~100 us before it reaches the stream), allocate two staging
+//! buffers each (64 MiB, or one chunk if more), used in turn, and have NCCL connect the pair with a
+//! one-byte send (NCCL connects point-to-point channels on their first operation, which would
+//! otherwise fall on the first transfer).
 //! Chunks go in batches: the chunks the connector hands over at once (the layers ready together),
 //! as many as fit a staging buffer (at most 32). Nothing on the data path waits on the host: each
 //! link has a stream for its NCCL operations and one for its gathers and scatters, ordered by
@@ -32,19 +33,21 @@
 //!   buffer anyway and says so in the announcement), and the receiver posts a receive for every
 //!   announced batch, wanted or not; a link whose NCCL operation failed is closed, and its
 //!   communicator aborted.
-//! - Every receive a receiver posts matches a send already enqueued, so NCCL kernels never wait on
-//!   a peer's host; a link's operations are ordered on its own streams (a stalled link never holds
-//!   up another).
+//! - Every receive a receiver posts matches a send already enqueued, so a receiver's NCCL kernels
+//!   never wait on its peer's host; a link's operations are ordered on its own streams (a stalled
+//!   link never holds up another).
 //! - A staging buffer is reused only behind events: a gather (scatter) waits for the last NCCL
 //!   operation on its buffer, an NCCL operation for the last gather (scatter) of its buffer.
 //! - NCCL only ever writes the staging buffers; destination blocks are written by the scatter
 //!   alone, and `on_payload` comes after it finished (after the communicator was aborted, if the
-//!   link closed meanwhile), in delivery order; `on_link_closed` after the last of them.
+//!   link closed meanwhile; should the work still not finish within `DRAIN`, the chunks are
+//!   reported failed and the pull slot is never reused), in delivery order; `on_link_closed`
+//!   after the last of them.
 //! - Every wait is bounded: communicator creation by `INIT` (60 s; NCCL's blocking creation cannot
-//!   be interrupted, so a peer that never joins leaves that thread behind), device work by the link (closed
-//!   at the transfer's deadline or when the peer goes; then its communicator is aborted and its
-//!   work waited for at most `DRAIN`), an accepted connection's handshake by 5 s and its silence by
-//!   90 s; each control message is at most 64 KiB.
+//!   be interrupted, so a peer that never joins leaves that thread behind), device work by the
+//!   link (closed at the transfer's deadline or when the peer goes; then its communicator is
+//!   aborted and its work waited for at most `DRAIN`), an accepted connection's handshake by 5 s
+//!   and its silence by 90 s; each control message is at most 64 KiB.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
