@@ -66,6 +66,8 @@ pub struct Suite {
     device: Option<i32>,
     /// The receivers' pools on this GPU instead (`Suite::on_devices`).
     dst_device: Option<i32>,
+    /// Senders announce chunks before summing them (`ConnectorConfig::sums_follow`).
+    sums_follow: bool,
 }
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -88,7 +90,14 @@ impl Suite {
             }
             other => other,
         };
-        Suite { spec, fabric: Fabric::new(), device: None, dst_device: None }
+        Suite { spec, fabric: Fabric::new(), device: None, dst_device: None, sums_follow: false }
+    }
+
+    /// The same suite with host senders announcing chunks before they sum them, as device senders
+    /// do (protocol 3's `ChunkUnsummed` and `Sums`, which host runs then exercise too).
+    pub fn with_sums_following(mut self) -> Suite {
+        self.sums_follow = true;
+        self
     }
 
     /// The same suite over pools in device memory of GPU `device` (every case but [`HOST_ONLY_CASES`]).
@@ -126,11 +135,12 @@ impl Suite {
         }
     }
 
-    fn config() -> ConnectorConfig {
+    fn config(&self) -> ConnectorConfig {
         ConnectorConfig {
             max_chunk_bytes: 64 * 1024,
             transfer_timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(5),
+            sums_follow: self.sums_follow,
         }
     }
 
@@ -139,7 +149,7 @@ impl Suite {
             ConnectorSpec::Inproc(_) => ConnectorSpec::Inproc(None),
             s => s.clone(),
         };
-        Connector::from_spec(&spec, memory, Suite::config(), &self.fabric).await.map_err(|e| e.to_string())
+        Connector::from_spec(&spec, memory, self.config(), &self.fabric).await.map_err(|e| e.to_string())
     }
 
     async fn faulty(&self, memory: Arc<KvMemory>, fault: Fault) -> Result<Connector, String> {
@@ -159,13 +169,13 @@ impl Suite {
             _ => None,
         };
         if let Some(spec) = corrupting {
-            return Connector::from_spec(&spec, memory, Suite::config(), &self.fabric).await.map_err(|e| e.to_string());
+            return Connector::from_spec(&spec, memory, self.config(), &self.fabric).await.map_err(|e| e.to_string());
         }
         if self.device.is_some() {
             return Err(format!("{fault:?} rewrites payloads in host memory: not a device case"));
         }
         let fabric = self.fabric.clone();
-        Connector::build(memory, Suite::config(), move |inbox| async move {
+        Connector::build(memory, self.config(), move |inbox| async move {
             let inner = make_transport(&spec, &fabric, inbox).await?;
             Ok(Arc::new(Faulty { inner, fault }) as Arc<dyn Transport>)
         })

@@ -27,6 +27,10 @@ pub struct ConnectorConfig {
     pub transfer_timeout: Duration,
     /// How long connecting plus handshaking may take.
     pub connect_timeout: Duration,
+    /// A host pool's sender, too, announces its chunks before it sums them and sends the checksums
+    /// after (`ChunkUnsummed`, then `Sums`), as a device pool's always does. Off by default: a host
+    /// pool's sender sums each chunk before announcing it. (The conformance suite runs both ways.)
+    pub sums_follow: bool,
 }
 
 impl Default for ConnectorConfig {
@@ -35,6 +39,7 @@ impl Default for ConnectorConfig {
             max_chunk_bytes: 1 << 20,
             transfer_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
+            sums_follow: false,
         }
     }
 }

@@ -35,12 +35,13 @@ pub const MAX_CHUNK_BLOCKS: u32 = 256;
 /// The most layers a sender hands the transport at once (groups grow 1, 2, 4, ... up to this).
 const MAX_GROUP_LAYERS: u32 = 16;
 
-/// Chunks of one transfer a receiver lets land at once (a transport that pipelines, like cuda-ipc,
-/// has several in flight; a sender that announces more is refused).
-const MAX_CHUNKS_IN_FLIGHT: usize = 128;
-/// Most chunks a sender announces unsummed before it sends their checksums (well below what a
-/// receiver lets land at once).
-const MAX_UNSUMMED: usize = MAX_CHUNKS_IN_FLIGHT / 2;
+/// Chunks of one transfer a receiver holds unsettled at once — landing, or landed and waiting for
+/// their sender checksum (a transport that pipelines, like cuda-ipc, has several in flight; a sender
+/// that announces more is refused).
+const MAX_CHUNKS_IN_FLIGHT: usize = 1024;
+/// Most chunks a sender announces unsummed before it sends their checksums (and most it hands the
+/// transport at once): well below what a receiver holds.
+const MAX_UNSUMMED: usize = 128;
 
 /// Locks a mutex of this crate. A panic while holding one is a bug; the state stays consistent enough to
 /// fail transfers and shut down, so a poisoned lock is taken anyway.
@@ -1075,14 +1076,11 @@ impl SendJob {
                 // chunk while the next is summed). The pacing test hook sends chunk by chunk too,
                 // waiting before each.
                 let delay = crate::transport::chunk_delay_from_env();
-                let step = if core.device.is_some() { chunks.len() } else { 1 };
-                if unsummed.len() + chunks.len() > MAX_UNSUMMED {
-                    send_sums(&core, &link, desc.id, &mut unsummed, self.claim.blocks()).await?;
-                }
+                let step = if core.device.is_some() { MAX_UNSUMMED } else { 1 };
                 // Device pools announce a group's chunks first and sum them while they move (a
                 // `Sums` frame follows), which keeps the checksum off the bytes' path; host pools
-                // (and the pacing hook) sum each chunk before announcing it.
-                let later = core.device.is_some() && delay.is_none();
+                // (unless `sums_follow`) and the pacing hook sum each chunk before announcing it.
+                let later = (core.device.is_some() || core.config.sums_follow) && delay.is_none();
                 for part in chunks.chunks(step) {
                     let sums = if later {
                         None
@@ -1134,13 +1132,15 @@ impl SendJob {
                     }
                     if later {
                         unsummed.extend_from_slice(part);
+                        if unsummed.len() >= MAX_UNSUMMED {
+                            send_sums(&core, &link, desc.id, &mut unsummed, self.claim.blocks()).await?;
+                        }
                     }
                 }
                 // The announced chunks are summed (one device call) when no further layer is ready
                 // to announce — so a sender with many layers ready announces them all first — or
-                // when enough wait for their checksums.
-                let more_ready = *self.pushed.borrow() > end && end < num_layers;
-                if !more_ready || unsummed.len() >= MAX_UNSUMMED {
+                // when MAX_UNSUMMED wait for their checksums (above).
+                if *self.pushed.borrow() <= end || end == num_layers {
                     send_sums(&core, &link, desc.id, &mut unsummed, self.claim.blocks()).await?;
                 }
                 let sent: u64 = chunks.iter().map(|&(_, _, count)| (count * bb) as u64).sum();

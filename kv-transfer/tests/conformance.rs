@@ -5,7 +5,7 @@ use tandem_kv_transfer::ConnectorSpec;
 use tandem_kv_transfer::conformance::Suite;
 
 macro_rules! conformance {
-    ($backend:ident, $spec:expr, [$($case:ident),* $(,)?]) => {
+    ($backend:ident, $spec:expr, $follow:expr, [$($case:ident),* $(,)?]) => {
         mod $backend {
             use super::*;
             $(
@@ -13,6 +13,7 @@ macro_rules! conformance {
                 async fn $case() {
                     let spec: ConnectorSpec = $spec.parse().unwrap();
                     let suite = Suite::new(spec);
+                    let suite = if $follow { suite.with_sums_following() } else { suite };
                     if let Err(e) = suite.run_case(stringify!($case)).await {
                         panic!("{} / {}: {e}", stringify!($backend), stringify!($case));
                     }
@@ -23,8 +24,8 @@ macro_rules! conformance {
 }
 
 macro_rules! all_cases {
-    ($backend:ident, $spec:expr) => {
-        conformance!($backend, $spec, [
+    ($backend:ident, $spec:expr, $follow:expr) => {
+        conformance!($backend, $spec, $follow, [
             round_trip_bit_exact,
             layers_land_in_order,
             concurrent_64,
@@ -48,8 +49,11 @@ macro_rules! all_cases {
     };
 }
 
-all_cases!(tcp, "tcp");
-all_cases!(inproc, "inproc");
+all_cases!(tcp, "tcp", false);
+all_cases!(inproc, "inproc", false);
+// Senders announcing chunks before they sum them (protocol 3, what device senders always do), over
+// real sockets: the late checksums go through the same checks.
+all_cases!(tcp_sums_follow, "tcp", true);
 
 /// The macro above must list every case the suite has.
 #[test]

@@ -31,9 +31,7 @@ fn spec() -> ConnectorSpec {
     format!("plugin:{}?dir={}", plugin_path().display(), dir.display()).parse().unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn example_plugin_passes_every_case() {
-    let suite = Suite::new(spec());
+async fn passes_every_case(suite: Suite) {
     let mut failures = Vec::new();
     for (name, result, took) in suite.run_all().await {
         match result {
@@ -43,6 +41,18 @@ async fn example_plugin_passes_every_case() {
     }
     assert!(failures.is_empty(), "plugin conformance failures:\n{}", failures.join("\n"));
     assert!(CASES.len() >= 18);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn example_plugin_passes_every_case() {
+    passes_every_case(Suite::new(spec())).await;
+}
+
+/// The same with senders announcing chunks before they sum them (protocol 3's late checksums, what
+/// device senders do), carried as opaque messages by the plugin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn example_plugin_passes_every_case_with_sums_following() {
+    passes_every_case(Suite::new(spec()).with_sums_following()).await;
 }
 
 #[tokio::test]
