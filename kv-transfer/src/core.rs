@@ -649,14 +649,9 @@ impl Core {
         let num_layers = self.memory.geometry().num_layers();
         loop {
             let Some(t) = rx.transfers.get_mut(&id) else { return };
-            if t.doomed.is_some() {
-                while t.pending.front().is_some_and(|p| p.landed.is_some()) {
-                    t.pending.pop_front();
-                }
-                if t.pending.is_empty() {
-                    let e = t.doomed.take().expect("checked");
-                    self.rx_end(rx, id, Err(e), None, replies);
-                }
+            if let Some(e) = t.doomed.take() {
+                // Ends the transfer once nothing is landing any more (else dooms it again).
+                self.rx_end(rx, id, Err(e), None, replies);
                 return;
             }
             let Some(front) = t.pending.front() else { return };
@@ -1278,6 +1273,23 @@ mod tests {
         Ok(Landed { checksum: Some(sum) })
     }
 
+    /// The reason of the integrity failure the transfer ended with.
+    fn integrity_failure(recv: &RecvHandle) -> String {
+        match recv.progress().state {
+            TransferState::Failed(Error::Integrity { reason, .. }) => reason,
+            other => panic!("expected an integrity failure, got {other:?}"),
+        }
+    }
+
+    /// Asserts the transfer completed, freed its blocks, and answered `Done`.
+    async fn assert_completed(core: &Core, recorder: &Recorder, recv: &RecvHandle) {
+        assert!(matches!(recv.progress().state, TransferState::Complete(_)));
+        assert_eq!(recv.progress().layers, LAYERS);
+        assert_eq!(core.memory().claimed_blocks(), 0);
+        tokio::task::yield_now().await;
+        assert!(lock(&recorder.frames).contains(&Frame::Done { id: recv.descriptor().id }));
+    }
+
     #[tokio::test]
     async fn chunks_of_every_layer_land_at_once_and_complete_in_order() {
         let (core, link, recorder, recv) = started(vec![3, 1, 4]).await;
@@ -1289,11 +1301,7 @@ mod tests {
         assert_eq!(core.memory().claimed_blocks(), 3, "the claim stays while payloads land");
         core.on_payload(&link, tokens[1], landed(101));
         core.on_payload(&link, tokens[2], landed(102));
-        assert!(matches!(recv.progress().state, TransferState::Complete(_)));
-        assert_eq!(recv.progress().layers, LAYERS);
-        assert_eq!(core.memory().claimed_blocks(), 0);
-        tokio::task::yield_now().await;
-        assert!(lock(&recorder.frames).contains(&Frame::Done { id }));
+        assert_completed(&core, &recorder, &recv).await;
     }
 
     #[tokio::test]
@@ -1308,10 +1316,8 @@ mod tests {
         core.on_payload(&link, tokens[1], landed(7));
         assert_eq!(core.memory().claimed_blocks(), 2);
         core.on_payload(&link, tokens[2], Err("copy failed".into()));
-        match recv.progress().state {
-            TransferState::Failed(Error::Integrity { reason, .. }) => assert!(reason.contains("checksum mismatch in layer 0"), "{reason}"),
-            other => panic!("expected an integrity failure, got {other:?}"),
-        }
+        let reason = integrity_failure(&recv);
+        assert!(reason.contains("checksum mismatch in layer 0"), "{reason}");
         assert_eq!(recv.progress().layers, 0, "no layer after the bad one counts as landed");
         assert_eq!(core.memory().claimed_blocks(), 0);
         tokio::task::yield_now().await;
@@ -1339,10 +1345,7 @@ mod tests {
         core.on_payload(&link, t1, landed(51));
         assert_eq!(recv.progress().layers, 2);
         core.on_payload(&link, t2, landed(52));
-        assert!(matches!(recv.progress().state, TransferState::Complete(_)));
-        assert_eq!(core.memory().claimed_blocks(), 0);
-        tokio::task::yield_now().await;
-        assert!(lock(&recorder.frames).contains(&Frame::Done { id }));
+        assert_completed(&core, &recorder, &recv).await;
     }
 
     #[tokio::test]
@@ -1355,10 +1358,8 @@ mod tests {
         core.on_payload(&link, t1, landed(10));
         assert_eq!(core.memory().claimed_blocks(), 2, "landed chunks keep the claim until checked");
         sums(&core, &link, id, &[9, 11]);
-        match recv.progress().state {
-            TransferState::Failed(Error::Integrity { reason, .. }) => assert!(reason.contains("checksum mismatch in layer 1"), "{reason}"),
-            other => panic!("expected an integrity failure, got {other:?}"),
-        }
+        let reason = integrity_failure(&recv);
+        assert!(reason.contains("checksum mismatch in layer 1"), "{reason}");
         assert_eq!(recv.progress().layers, 1);
         assert_eq!(core.memory().claimed_blocks(), 0, "nothing is landing any more: the blocks are free at once");
         tokio::task::yield_now().await;
@@ -1374,10 +1375,8 @@ mod tests {
         // The chunk still landing keeps its block until reported; then the transfer has failed.
         assert!(matches!(recv.progress().state, TransferState::Pending));
         core.on_payload(&link, t0, landed(1));
-        match recv.progress().state {
-            TransferState::Failed(Error::Integrity { reason, .. }) => assert!(reason.contains("never announced"), "{reason}"),
-            other => panic!("expected an integrity failure, got {other:?}"),
-        }
+        let reason = integrity_failure(&recv);
+        assert!(reason.contains("never announced"), "{reason}");
         assert_eq!(core.memory().claimed_blocks(), 0);
     }
 

@@ -259,8 +259,7 @@ impl DeviceKv {
         corrupt: Option<usize>,
         push: Option<PushFrom<'_>>,
     ) -> Result<PullEvent> {
-        let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
-        self.pull_with(None, slot, chunks, total, block_bytes, corrupt, push)
+        self.pull_with(None, slot, chunks, block_bytes, corrupt, push)
     }
 
     /// A pull as [`DeviceKv::pull`] makes it (no push), enqueued on `stream` (of this GPU) behind
@@ -276,8 +275,7 @@ impl DeviceKv {
         block_bytes: usize,
         corrupt: Option<usize>,
     ) -> Result<PullEvent> {
-        let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
-        self.pull_with(Some((stream, after)), slot, chunks, total, block_bytes, corrupt, None)
+        self.pull_with(Some((stream, after)), slot, chunks, block_bytes, corrupt, None)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -286,11 +284,11 @@ impl DeviceKv {
         on: Option<(&Arc<CudaStream>, &cudarc::driver::CudaEvent)>,
         slot: usize,
         chunks: &[(Blocks<'_>, Blocks<'_>)],
-        total: usize,
         block_bytes: usize,
         corrupt: Option<usize>,
         push: Option<PushFrom<'_>>,
     ) -> Result<PullEvent> {
+        let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
         let bad = chunks.is_empty()
             || chunks.len() > PULL_BATCH
             || slot >= PULL_SLOTS
