@@ -344,7 +344,8 @@ impl DeviceKv {
         let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
         // Chunk groups verified by one launch each: the push's groups, or the whole batch.
         let groups: Vec<std::ops::Range<usize>> = if push.is_some() {
-            (0..chunks.len()).step_by(PUSH_GROUP).map(|a| a..(a + PUSH_GROUP).min(chunks.len())).collect()
+            let g = push_group();
+            (0..chunks.len()).step_by(g).map(|a| a..(a + g).min(chunks.len())).collect()
         } else {
             std::iter::once(0..chunks.len()).collect()
         };
@@ -689,6 +690,16 @@ impl Lane {
 
 /// Whether receivers let a sender's GPU push (`TANDEM_KV_NO_PUSH=1` turns it off, so a run can
 /// compare pushes with pulls).
+/// Chunks per push group: `PUSH_GROUP`, or `TANDEM_KV_PUSH_GROUP` (a diagnostic, `PUSH_GROUP` to
+/// `PULL_BATCH`) for measuring how the group size trades copy-engine efficiency against the wait
+/// for the last group's verification.
+pub(crate) fn push_group() -> usize {
+    static G: OnceLock<usize> = OnceLock::new();
+    *G.get_or_init(|| {
+        std::env::var("TANDEM_KV_PUSH_GROUP").ok().and_then(|v| v.parse().ok()).map_or(PUSH_GROUP, |g: usize| g.clamp(PUSH_GROUP, PULL_BATCH))
+    })
+}
+
 pub(crate) fn push_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NO_PUSH").is_none())

@@ -47,7 +47,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::core::lock;
-use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PUSH_GROUP, PullEvent, PushFrom};
+use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
@@ -764,7 +764,7 @@ impl Reader {
         // already buffered (up to PULL_BATCH) before it enqueues. A pool that pushes from another
         // GPU goes a verification group at a time instead: the copy engines start on the first
         // chunks while the reader is still taking in the rest of a big group of layers.
-        let limit = if self.link.pool.as_ref().is_some_and(|p| p.push.is_some()) { PUSH_GROUP } else { PULL_BATCH };
+        let limit = if self.link.pool.as_ref().is_some_and(|p| p.push.is_some()) { crate::device::push_group() } else { PULL_BATCH };
         let mut batch: Vec<PullReq> = Vec::new();
         let natural = loop {
             let msg = tokio::select! {
