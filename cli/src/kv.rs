@@ -214,13 +214,13 @@ fn filled(geometry: &Geometry, blocks: u32, device: Option<i32>) -> anyhow::Resu
     Ok(memory)
 }
 
-/// One transfer of `blocks` blocks; returns the time from `send` to the receiver's verified completion.
+/// One transfer of `blocks` blocks, every layer ready (as after a whole prefill); returns the time
+/// from `send_ready` to the receiver's verified completion.
 async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32) -> anyhow::Result<Duration> {
     let ids: Vec<u32> = (0..blocks).collect();
     let mut recv = rx.expect(ids.clone(), 0, None)?;
     let t = Instant::now();
-    let mut send = tx.send(recv.descriptor(), ids, 0, None)?;
-    send.push_all();
+    let mut send = tx.send_ready(recv.descriptor(), ids, 0, None)?;
     recv.wait().await?;
     let elapsed = t.elapsed();
     send.wait().await?;

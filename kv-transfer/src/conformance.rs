@@ -344,6 +344,15 @@ async fn round_trip_bit_exact(suite: &Suite) -> CaseResult {
     if m_tx.sent_ok != 1 || m_rx.received_ok != 1 || m_rx.bytes_received != bytes || m_tx.last_send_bytes_per_sec == 0 {
         return Err(format!("metrics wrong: {m_tx:?} / {m_rx:?}"));
     }
+    released(&[&p.src, &p.dst]).await?;
+    // Again over the same link with every layer ready from the start (`send_ready`: the first
+    // steps run on this thread), into other blocks.
+    let (sb, db) = (pick(&mut rng, 64, 24), pick(&mut rng, 64, 24));
+    let mut recv = p.rx.expect(db.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    let mut send = p.tx.send_ready(recv.descriptor(), sb.clone(), BINDING, None).map_err(|e| e.to_string())?;
+    within("receive (send_ready)", recv.wait()).await?.map_err(|e| e.to_string())?;
+    within("send (send_ready)", send.wait()).await?.map_err(|e| e.to_string())?;
+    same(&p.src, &sb, &p.dst, &db, 4)?;
     released(&[&p.src, &p.dst]).await
 }
 

@@ -294,7 +294,17 @@ impl Connector {
     /// never copied from `desc`); the receiver compares it with the binding it expects before any block
     /// lands. Nothing is sent for a layer until [`SendHandle::push_layer`] announces it.
     pub fn send(&self, desc: &TransferDescriptor, src_blocks: Vec<u32>, binding: u64, timeout: Option<Duration>) -> Result<SendHandle> {
-        self.core.start_send(Arc::clone(&self.transport), desc, src_blocks, binding, timeout.unwrap_or(self.core_config_timeout()))
+        self.core.start_send(Arc::clone(&self.transport), desc, src_blocks, binding, timeout.unwrap_or(self.core_config_timeout()), false)
+    }
+
+    /// [`Connector::send`] of KV whose every layer is already computed (a bulk transfer: after a
+    /// whole prefill, out of a prefix cache): the handle starts with every layer pushed, and the
+    /// transfer's first steps — the link, the first announcements — run on the calling thread
+    /// before this returns (tens of microseconds; more when a link must be opened first), so the
+    /// receiver starts on it without waiting for a runtime thread to wake. Call it from a thread
+    /// that may block that long.
+    pub fn send_ready(&self, desc: &TransferDescriptor, src_blocks: Vec<u32>, binding: u64, timeout: Option<Duration>) -> Result<SendHandle> {
+        self.core.start_send(Arc::clone(&self.transport), desc, src_blocks, binding, timeout.unwrap_or(self.core_config_timeout()), true)
     }
 
     fn core_config_timeout(&self) -> Duration {

@@ -707,6 +707,7 @@ impl Core {
         src_blocks: Vec<u32>,
         binding: u64,
         timeout: Duration,
+        ready: bool,
     ) -> Result<SendHandle> {
         crate::transport::kv_trace!("tx {:x} start ({} blocks)", desc.id, src_blocks.len());
         if self.closed.load(Ordering::Acquire) {
@@ -726,7 +727,7 @@ impl Core {
         let mut claim = self.memory.claim(&src_blocks, false)?;
         let released = claim.on_release();
         let num_layers = self.memory.geometry().num_layers();
-        let (pushed, pushed_rx) = watch::channel(0u32);
+        let (pushed, pushed_rx) = watch::channel(if ready { num_layers } else { 0 });
         let (cancel, cancel_rx) = watch::channel(false);
         let (progress_tx, progress) = watch::channel(Progress::pending());
         self.counters.sending.fetch_add(1, Ordering::AcqRel);
@@ -739,7 +740,22 @@ impl Core {
             pushed: pushed_rx,
             progress: progress_tx,
         };
-        self.rt.spawn(job.run(cancel_rx, released, timeout));
+        let job = job.run(cancel_rx, released, timeout);
+        if ready {
+            // Every layer is there: the job's first steps (the link, the first announcements) run
+            // here, on the caller's thread, until it first waits, so the receiver hears of the
+            // transfer without waiting for a runtime worker to wake up; the rest runs on the
+            // runtime. (The spawned task polls the job again at once, so the no-op waker of this
+            // first poll loses nothing.)
+            let mut job = Box::pin(job);
+            let _in_runtime = self.rt.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if job.as_mut().poll(&mut cx).is_pending() {
+                self.rt.spawn(job);
+            }
+        } else {
+            self.rt.spawn(job);
+        }
         Ok(SendHandle { id: desc.id, num_layers, pushed, cancel, progress })
     }
 

@@ -315,9 +315,13 @@ impl DeviceKv {
         };
         let r = self.enqueue_pull(p, &s, slot, chunks, total, block_bytes, corrupt, push);
         if r.is_err() {
-            // Some of the batch may be enqueued already, reading this slot's staging: let it run out
-            // before the slot can be handed out again.
+            // Some of the batch may be enqueued already, reading this slot's staging or writing the
+            // destination (a push's copies, on a source GPU's lane): let it run out before the slot
+            // and the blocks can be handed out again.
             let _ = s.synchronize();
+            for lane in p.lanes.values() {
+                let _ = lane.stream.synchronize();
+            }
         }
         r
     }
@@ -349,6 +353,59 @@ impl DeviceKv {
         } else {
             std::iter::once(0..chunks.len()).collect()
         };
+        // Ids are checked against both arrays' extents on the host before the copy engines see them
+        // (the kernel path checks them on the device).
+        let in_range =
+            chunks.iter().all(|(src, dst)| src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
+        // A push's copies go first, before anything is staged for the verification, so the copy
+        // engines start at once: each group's contiguous runs (neighbouring blocks merged, across
+        // chunks too), one peer copy each, an event behind each group; a batch whose blocks are too
+        // scattered for that is pulled by the copy kernel instead (one launch, whatever the scatter).
+        let push_runs: Option<Vec<Vec<(u64, u64, usize)>>> = push.as_ref().filter(|_| in_range).and_then(|from| {
+            let runs: Vec<Vec<(u64, u64, usize)>> = groups
+                .iter()
+                .map(|range| engine_runs(range.clone().map(|k| (from.src_bases[k], chunks[k].0, chunks[k].1)), block_bytes))
+                .collect();
+            runs.iter().all(|r| r.len() <= PUSH_MAX_RUNS).then_some(runs)
+        });
+        let mut pushed = false;
+        if let (Some(from), Some(runs)) = (push.as_ref(), push_runs) {
+            // The source GPU's lane: a stream of its context and an event per group of each slot.
+            let lane = match p.lanes.entry(from.device) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(Lane::new(from.device)?),
+            };
+            lane.ctx.bind_to_thread().map_err(err("binding the source GPU's context"))?;
+            pushed = true;
+            for (g, runs) in runs.iter().enumerate() {
+                let r = runs.iter().try_for_each(|&(dst, src, bytes)| {
+                    // SAFETY: `src` and `dst` are runs of whole blocks inside the sender's pool (as
+                    // this GPU's context addresses it) and this connector's pool (ids checked against
+                    // both extents above), claimed by the transfer; the copy is stream-ordered on the
+                    // lane, which the pull stream waits for before the slot is reported.
+                    unsafe { cudarc::driver::sys::cuMemcpyPeerAsync(dst, s.context().cu_ctx(), src, lane.ctx.cu_ctx(), bytes, lane.stream.cu_stream()) }
+                        .result()
+                });
+                let r = r.and_then(|()| lane.events[slot * MAX_PUSH_GROUPS + g].record(&lane.stream));
+                if let Err(e) = r {
+                    // Runs enqueued before the refusal have no event the pull stream waits on: let
+                    // them land before anything else touches these blocks.
+                    let _ = lane.stream.synchronize();
+                    s.context().bind_to_thread().map_err(err("binding the context"))?;
+                    if g == 0 {
+                        // Nothing pushed is waited for yet (what moved has landed, above): this
+                        // batch, and every later one, is pulled instead.
+                        tracing::warn!(error = %e, from = from.device, to = own, "KV pull: the source GPU refused to push; pulling from now on");
+                        p.push_failed = true;
+                        pushed = false;
+                        break;
+                    }
+                    return Err(gpu_err("pushing KV blocks from the source GPU", e));
+                }
+                crate::transport::kv_trace!("ipc push group {g} of {} copies enqueued", runs.len());
+            }
+            s.context().bind_to_thread().map_err(err("binding the context"))?;
+        }
         // SAFETY: slot `slot` is the caller's (see `pull`'s doc): no copy from this slot's staging is
         // in flight (the previous user's event completed), and the regions lie inside the pinned
         // buffer (`PULL_SLOTS` slots of `IDS_STRIDE` ids, `TABLE_STRIDE` table words and
@@ -398,10 +455,6 @@ impl DeviceKv {
             cudarc::driver::result::memset_d8_async(addr_of(&sums, s), 0, 8 * chunks.len(), stream).map_err(err("zeroing the checksums"))?;
         }
         crate::transport::kv_trace!("pull of {} chunks: uploaded", chunks.len());
-        // Ids are checked against both arrays' extents on the host before the copy engines see them
-        // (the kernel path checks them on the device).
-        let in_range =
-            chunks.iter().all(|(src, dst)| src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
         let (src_num, dst_num) = (chunks[0].0.num_blocks, chunks[0].1.num_blocks);
         let verify_group = |g: usize, range: &std::ops::Range<usize>, sums: cudarc::driver::CudaViewMut<'_, u64>| -> Result<()> {
             let (a, b) = (starts[range.start], starts[range.end]);
@@ -431,56 +484,13 @@ impl DeviceKv {
             Ok(())
         };
         let slot_sums = |range: &std::ops::Range<usize>| slot * PULL_BATCH + range.start..slot * PULL_BATCH + range.end;
-        // A push's copies: each group's contiguous runs (neighbouring blocks merged, across chunks
-        // too), one peer copy each; a batch whose blocks are too scattered for that is pulled by
-        // the copy kernel instead (one launch, whatever the scatter).
-        let push_runs: Option<Vec<Vec<(u64, u64, usize)>>> = push.as_ref().filter(|_| in_range).and_then(|from| {
-            let runs: Vec<Vec<(u64, u64, usize)>> = groups
-                .iter()
-                .map(|range| engine_runs(range.clone().map(|k| (from.src_bases[k], chunks[k].0, chunks[k].1)), block_bytes))
-                .collect();
-            runs.iter().all(|r| r.len() <= PUSH_MAX_RUNS).then_some(runs)
-        });
-        let mut pushed = false;
-        if let (Some(from), Some(runs)) = (push.as_ref(), push_runs) {
-            // The source GPU's lane: a stream of its context and an event per group of each slot.
-            let lane = match p.lanes.entry(from.device) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => e.insert(Lane::new(from.device)?),
-            };
-            for (g, (range, runs)) in groups.iter().zip(&runs).enumerate() {
-                lane.ctx.bind_to_thread().map_err(err("binding the source GPU's context"))?;
-                let r = runs.iter().try_for_each(|&(dst, src, bytes)| {
-                    // SAFETY: `src` and `dst` are runs of whole blocks inside the sender's pool (as
-                    // this GPU's context addresses it) and this connector's pool (ids checked against
-                    // both extents above), claimed by the transfer; the copy is stream-ordered on the
-                    // lane, which the pull stream waits for before the slot is reported.
-                    unsafe { cudarc::driver::sys::cuMemcpyPeerAsync(dst, s.context().cu_ctx(), src, lane.ctx.cu_ctx(), bytes, lane.stream.cu_stream()) }
-                        .result()
-                });
-                if r.is_err() {
-                    // Runs of this group enqueued before the refusal have no event the pull stream
-                    // waits on: let them land before anything else touches these blocks.
-                    let _ = lane.stream.synchronize();
-                }
-                s.context().bind_to_thread().map_err(err("binding the context"))?;
-                if let Err(e) = r {
-                    if g == 0 {
-                        // Nothing verified yet (what this group's earlier runs moved has landed,
-                        // above): this batch, and every later one, is pulled instead.
-                        tracing::warn!(error = %e, from = from.device, to = own, "KV pull: the source GPU refused to push; pulling from now on");
-                        p.push_failed = true;
-                        break;
-                    }
-                    return Err(gpu_err("pushing KV blocks from the source GPU", e));
-                }
-                let event = &lane.events[slot * MAX_PUSH_GROUPS + g];
-                event.record(&lane.stream).map_err(err("recording the push's event"))?;
-                s.wait(event).map_err(err("waiting for the push"))?;
+        if pushed {
+            // Each group's verification behind its copies' event on the source GPU's lane.
+            let lane = p.lanes.get(&push.as_ref().expect("pushed").device).expect("made above");
+            for (g, range) in groups.iter().enumerate() {
+                s.wait(&lane.events[slot * MAX_PUSH_GROUPS + g]).map_err(err("waiting for the push"))?;
                 corrupt_in(range)?;
                 verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
-                crate::transport::kv_trace!("ipc push of {} chunks ({} copies) enqueued (group {g})", range.len(), runs.len());
-                pushed = true;
             }
         }
         if !pushed {
@@ -688,8 +698,6 @@ impl Lane {
     }
 }
 
-/// Whether receivers let a sender's GPU push (`TANDEM_KV_NO_PUSH=1` turns it off, so a run can
-/// compare pushes with pulls).
 /// Chunks per push group: `PUSH_GROUP`, or `TANDEM_KV_PUSH_GROUP` (a diagnostic, `PUSH_GROUP` to
 /// `PULL_BATCH`) for measuring how the group size trades copy-engine efficiency against the wait
 /// for the last group's verification.
@@ -700,6 +708,8 @@ pub(crate) fn push_group() -> usize {
     })
 }
 
+/// Whether receivers let a sender's GPU push (`TANDEM_KV_NO_PUSH=1` turns it off, so a run can
+/// compare pushes with pulls).
 pub(crate) fn push_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NO_PUSH").is_none())
