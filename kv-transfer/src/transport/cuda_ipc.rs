@@ -35,6 +35,7 @@
 //!   64 KiB.
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -51,6 +52,7 @@ use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFro
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
+use crate::transport::spin_read::{SpinRead, spin_window};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 /// Where the control socket goes.
@@ -751,7 +753,7 @@ struct Reader {
 }
 
 /// Whether `rd` holds a whole control message already (reading it would not wait).
-fn message_buffered(rd: &BufReader<OwnedReadHalf>) -> bool {
+fn message_buffered(rd: &BufReader<SpinRead<OwnedReadHalf>>) -> bool {
     let b = rd.buffer();
     b.len() >= 5 && b.len() - 5 >= u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")) as usize
 }
@@ -759,12 +761,20 @@ fn message_buffered(rd: &BufReader<OwnedReadHalf>) -> bool {
 impl Reader {
     async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
+        // The receiving side polls its socket while the link is busy (see `SpinRead`): the first
+        // announcement of a transfer is what its copies wait for.
+        let receiving = self.link.pool.is_some();
+        let fd = rd.as_ref().as_raw_fd();
+        let rd = SpinRead::new(rd, fd, if receiving { spin_window() } else { Duration::ZERO });
         let mut rd = BufReader::with_capacity(4 * MAX_MESSAGE, rd);
         // Chunks announced back to back are pulled as one batch: the reader collects the messages
         // already buffered (up to PULL_BATCH) before it enqueues. A pool that pushes from another
-        // GPU goes a verification group at a time instead: the copy engines start on the first
-        // chunks while the reader is still taking in the rest of a big group of layers.
-        let limit = if self.link.pool.as_ref().is_some_and(|p| p.push.is_some()) { crate::device::push_group() } else { PULL_BATCH };
+        // GPU starts with a verification group (the copy engines start on the first chunks while
+        // the reader is still taking in the rest of a big group of layers) and, while a batch of
+        // this link is still moving, collects up to PULL_BATCH (fewer, longer batches: the copy
+        // engines have the next queued before they finish the last).
+        let push = self.link.pool.as_ref().is_some_and(|p| p.push.is_some());
+        let limit = || if push && self.link.in_flight.borrow().running == 0 { crate::device::push_group() } else { PULL_BATCH };
         let mut batch: Vec<PullReq> = Vec::new();
         let natural = loop {
             let msg = tokio::select! {
@@ -780,7 +790,7 @@ impl Reader {
                 break reason;
             }
             if !batch.is_empty()
-                && (batch.len() >= limit || !message_buffered(&rd))
+                && (batch.len() >= limit() || !message_buffered(&rd))
                 && let Err(reason) = self.flush(&mut batch).await
             {
                 break reason;

@@ -24,6 +24,7 @@ pub mod inproc;
 mod link_state;
 pub mod nccl;
 pub mod plugin;
+mod spin_read;
 pub mod tcp;
 
 /// The device backends' integrity test hook, `TANDEM_KV_TEST_CORRUPT_CHUNK=N`: every Nth chunk a
