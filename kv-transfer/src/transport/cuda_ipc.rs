@@ -52,7 +52,7 @@ use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFro
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
-use crate::transport::spin_read::{SpinRead, spin_window};
+use crate::transport::spin_read::{SpinRead, spawn_reader};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 /// Where the control socket goes.
@@ -376,7 +376,7 @@ impl CudaIpcTransport {
             link.close();
         }
         let reader = Reader { inbox: Arc::clone(&self.inbox), link: Arc::clone(&link), transport: self.me.clone() };
-        tokio::spawn(reader.run(rd, closed_rx));
+        spawn_reader(link.pool.is_some(), move |spin| reader.run(rd, closed_rx, spin));
         link
     }
 
@@ -759,13 +759,12 @@ fn message_buffered(rd: &BufReader<SpinRead<OwnedReadHalf>>) -> bool {
 }
 
 impl Reader {
-    async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
+    async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>, spin: Duration) {
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
         // The receiving side polls its socket while the link is busy (see `SpinRead`): the first
         // announcement of a transfer is what its copies wait for.
-        let receiving = self.link.pool.is_some();
         let fd = rd.as_ref().as_raw_fd();
-        let rd = SpinRead::new(rd, fd, if receiving { spin_window() } else { Duration::ZERO });
+        let rd = SpinRead::new(rd, fd, spin);
         let mut rd = BufReader::with_capacity(4 * MAX_MESSAGE, rd);
         // Chunks announced back to back are pulled as one batch: the reader collects the messages
         // already buffered (up to PULL_BATCH) before it enqueues. A pool that pushes from another

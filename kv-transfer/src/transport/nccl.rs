@@ -68,7 +68,7 @@ use crate::device::{Blocks, DeviceKv, PULL_SLOTS, PullEvent};
 use crate::error::{Error, Result};
 use crate::memory::{Iov, KvMemory, MemoryKind};
 use crate::transport::link_state::{Closed, LinkState};
-use crate::transport::spin_read::{SpinRead, spin_window};
+use crate::transport::spin_read::{SpinRead, spawn_reader};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 mod ffi;
@@ -302,7 +302,7 @@ impl NcclTransport {
             link: Arc::clone(&link),
             transport: self.me.clone(),
         };
-        tokio::spawn(reader.run(rd, closed_rx));
+        spawn_reader(!link.sender_side, move |spin| reader.run(rd, closed_rx, spin));
         if self.side.same_layout(&theirs) {
             self.start_comm(
                 &link,
@@ -1006,12 +1006,12 @@ struct Reader {
 }
 
 impl Reader {
-    async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>) {
+    async fn run(self, rd: OwnedReadHalf, mut closed: watch::Receiver<Closed>, spin: Duration) {
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
         // The receiving side polls its socket while the link is busy (see `SpinRead`): a batch's
         // announcement is what its receive waits for.
         let fd = std::os::fd::AsRawFd::as_raw_fd(rd.as_ref());
-        let mut rd = SpinRead::new(rd, fd, if self.link.sender_side { Duration::ZERO } else { spin_window() });
+        let mut rd = SpinRead::new(rd, fd, spin);
         let idle = (!self.link.sender_side).then_some(IDLE);
         let natural = loop {
             let next = async {
