@@ -8,7 +8,9 @@
 //! [`DEFAULT_SPIN`]; 0 turns it off), and only then falls back to the runtime's readiness. While a
 //! link is busy its reader thus keeps one core polling, as NCCL's proxy threads do; an idle link
 //! costs nothing. A polling reader runs on a thread of its own ([`spawn_reader`]), never on a
-//! runtime worker, and only where the runtime is multi-threaded.
+//! runtime worker, and only where the runtime is multi-threaded; after its polling window it
+//! sleeps in poll(2) for a while (one wake-up, of that thread, when bytes come) before it leaves
+//! the waiting to the runtime.
 
 use std::io::Read;
 use std::mem::ManuallyDrop;
@@ -18,6 +20,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, ReadBuf};
+
+/// The name of the threads [`spawn_reader`] starts.
+const THREAD: &str = "tandem-kv-ctl";
 
 /// How long a reader polls after the last bytes it got, unless `TANDEM_KV_SPIN_US` says otherwise.
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_millis(5);
@@ -47,7 +52,7 @@ where
         return;
     }
     let (tx, rx) = std::sync::mpsc::sync_channel::<M>(1);
-    let spawned = std::thread::Builder::new().name("tandem-kv-ctl".into()).spawn(move || {
+    let spawned = std::thread::Builder::new().name(THREAD.into()).spawn(move || {
         if let Ok(make) = rx.recv() {
             handle.block_on(make(spin));
         }
@@ -70,14 +75,23 @@ pub(crate) struct SpinRead<R> {
     inner: R,
     fd: RawFd,
     spin: Duration,
+    /// On a thread of its own: after the polling window, sleep in poll(2) for [`BLOCK_WINDOW`].
+    block: bool,
     last: Instant,
 }
+
+/// How long a reader on a thread of its own sleeps in poll(2) after its polling window, before it
+/// leaves the waiting to the runtime (whose readiness costs a second wake-up).
+const BLOCK_WINDOW: Duration = Duration::from_millis(500);
+/// One poll(2) sleep: how soon a reader that sleeps so notices that its link was closed.
+const BLOCK_STEP: Duration = Duration::from_millis(20);
 
 impl<R> SpinRead<R> {
     /// `fd` must be `inner`'s descriptor, open as long as `inner` is.
     pub(crate) fn new(inner: R, fd: RawFd, spin: Duration) -> SpinRead<R> {
         let multi = tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        SpinRead { inner, fd, spin: if multi { spin } else { Duration::ZERO }, last: Instant::now() }
+        let block = std::thread::current().name() == Some(THREAD);
+        SpinRead { inner, fd, spin: if multi { spin } else { Duration::ZERO }, block, last: Instant::now() }
     }
 
     /// One read(2) of the descriptor into `buf` (nonblocking: the runtime set O_NONBLOCK).
@@ -115,6 +129,30 @@ impl<R: AsyncRead + Unpin> AsyncRead for SpinRead<R> {
                     Err(e) => return Poll::Ready(Err(e)),
                 }
             }
+        }
+        if this.block && !this.spin.is_zero() && this.last.elapsed() < this.spin + BLOCK_WINDOW {
+            // On its own thread: sleep in poll(2) on the socket, so the kernel wakes this thread
+            // directly (the runtime's readiness would wake a worker first, which then wakes us).
+            let mut fds = libc::pollfd { fd: this.fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: `fds` is one valid pollfd for the call; `fd` is `inner`'s open descriptor.
+            let ready = unsafe { libc::poll(&mut fds, 1, BLOCK_STEP.as_millis() as libc::c_int) };
+            if ready > 0 || (ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted) {
+                // Readable, closed or in error: the read says which. (Until then the window stays
+                // open: `last` moves only when bytes come.)
+                match this.read_now(buf.initialize_unfilled()) {
+                    Ok(n) => {
+                        buf.advance(n);
+                        this.last = Instant::now();
+                        return Poll::Ready(Ok(()));
+                    }
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => {}
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+            }
+            // Nothing within a step: let the caller look at whatever else it waits for (a close),
+            // and come back.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
         }
         let before = buf.filled().len();
         let r = Pin::new(&mut this.inner).poll_read(cx, buf);
@@ -166,6 +204,29 @@ mod tests {
                 assert_ne!(thread.as_deref(), Some("tandem-kv-ctl"));
             }
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_on_its_own_thread_reads_while_polling_sleeping_in_poll_and_after() {
+        let (a, b) = tokio::net::UnixStream::pair().unwrap();
+        let (rd, _wr) = a.into_split();
+        let (_brd, mut bwr) = b.into_split();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        spawn_reader(true, move |spin| async move {
+            let fd = rd.as_ref().as_raw_fd();
+            let mut r = SpinRead::new(rd, fd, spin);
+            assert!(r.block, "spawn_reader's thread sleeps in poll(2)");
+            let mut got = Vec::new();
+            let _ = tx.send(r.read_to_end(&mut got).await.map(|_| got));
+        });
+        bwr.write_all(b"a").await.unwrap();
+        // Past the polling window, inside the poll(2) one; then past both.
+        tokio::time::sleep(DEFAULT_SPIN + Duration::from_millis(30)).await;
+        bwr.write_all(b"b").await.unwrap();
+        tokio::time::sleep(DEFAULT_SPIN + BLOCK_WINDOW + Duration::from_millis(100)).await;
+        bwr.write_all(b"c").await.unwrap();
+        drop(bwr);
+        assert_eq!(rx.await.unwrap().unwrap(), b"abc");
     }
 
     #[tokio::test(flavor = "current_thread")]
