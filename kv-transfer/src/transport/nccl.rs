@@ -1011,8 +1011,11 @@ impl Reader {
         // The receiving side polls its socket while the link is busy (see `SpinRead`): a batch's
         // announcement is what its receive waits for.
         let fd = std::os::fd::AsRawFd::as_raw_fd(rd.as_ref());
-        let mut rd = SpinRead::new(rd, fd, spin);
         let idle = (!self.link.sender_side).then_some(IDLE);
+        let mut rd = SpinRead::new(rd, fd, spin).idle_after(idle);
+        // (A reader on a thread of its own times itself out: the runtime's timers fail there once
+        // the runtime shuts down.)
+        let idle = idle.filter(|_| !rd.on_own_thread());
         let natural = loop {
             let next = async {
                 match idle {

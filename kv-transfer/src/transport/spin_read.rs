@@ -5,12 +5,14 @@
 //! microseconds (more from a deep CPU idle state; ~50–90 µs measured on an H100 host) to be woken
 //! when bytes arrive — the length of a 16 MiB copy over NVLink. [`SpinRead`] reads the socket
 //! itself, without waiting, for a while after the last bytes it got (`TANDEM_KV_SPIN_US`, default
-//! [`DEFAULT_SPIN`]; 0 turns it off), and only then falls back to the runtime's readiness. While a
+//! [`DEFAULT_SPIN`]; 0 turns it off), and only then sleeps. While a
 //! link is busy its reader thus keeps one core polling, as NCCL's proxy threads do; an idle link
 //! costs nothing. A polling reader runs on a thread of its own ([`spawn_reader`]), never on a
 //! runtime worker, and only where the runtime is multi-threaded; after its polling window it
-//! sleeps in poll(2) for a while (one wake-up, of that thread, when bytes come) before it leaves
-//! the waiting to the runtime.
+//! sleeps in poll(2) (one wake-up, of that thread, when bytes come; the runtime's readiness would
+//! wake a worker first, which then wakes the thread: ~150 µs measured after an idle moment), in
+//! steps of [`BLOCK_STEP`] so the reader notices a close. A reader that does not poll waits on the
+//! runtime's readiness.
 
 use std::io::Read;
 use std::mem::ManuallyDrop;
@@ -75,14 +77,13 @@ pub(crate) struct SpinRead<R> {
     inner: R,
     fd: RawFd,
     spin: Duration,
-    /// On a thread of its own: after the polling window, sleep in poll(2) for [`BLOCK_WINDOW`].
+    /// On a thread of its own: after the polling window, sleep in poll(2), never in the runtime.
     block: bool,
+    /// On a thread of its own: fail with `TimedOut` once no bytes came for this long.
+    idle: Option<Duration>,
     last: Instant,
 }
 
-/// How long a reader on a thread of its own sleeps in poll(2) after its polling window, before it
-/// leaves the waiting to the runtime (whose readiness costs a second wake-up).
-const BLOCK_WINDOW: Duration = Duration::from_millis(500);
 /// One poll(2) sleep: how soon a reader that sleeps so notices that its link was closed.
 const BLOCK_STEP: Duration = Duration::from_millis(20);
 
@@ -91,7 +92,22 @@ impl<R> SpinRead<R> {
     pub(crate) fn new(inner: R, fd: RawFd, spin: Duration) -> SpinRead<R> {
         let multi = tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         let block = std::thread::current().name() == Some(THREAD);
-        SpinRead { inner, fd, spin: if multi { spin } else { Duration::ZERO }, block, last: Instant::now() }
+        SpinRead { inner, fd, spin: if multi { spin } else { Duration::ZERO }, block, idle: None, last: Instant::now() }
+    }
+
+    /// On a thread of [`spawn_reader`]'s (which must not use the runtime's timers: they fail once
+    /// the runtime shuts down), reads fail with `TimedOut` once no bytes came for `idle`; elsewhere
+    /// this does nothing (time the reads out with the runtime's timers there): see
+    /// [`Self::on_own_thread`].
+    pub(crate) fn idle_after(mut self, idle: Option<Duration>) -> SpinRead<R> {
+        self.idle = idle.filter(|_| self.block);
+        self
+    }
+
+    /// Whether this reader runs on a thread of [`spawn_reader`]'s (it sleeps in poll(2), and times
+    /// itself out).
+    pub(crate) fn on_own_thread(&self) -> bool {
+        self.block
     }
 
     /// One read(2) of the descriptor into `buf` (nonblocking: the runtime set O_NONBLOCK).
@@ -130,15 +146,22 @@ impl<R: AsyncRead + Unpin> AsyncRead for SpinRead<R> {
                 }
             }
         }
-        if this.block && !this.spin.is_zero() && this.last.elapsed() < this.spin + BLOCK_WINDOW {
+        if this.block {
+            if let Some(idle) = this.idle.filter(|&d| this.last.elapsed() >= d) {
+                return Poll::Ready(Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("idle for {idle:?}"))));
+            }
             // On its own thread: sleep in poll(2) on the socket, so the kernel wakes this thread
             // directly (the runtime's readiness would wake a worker first, which then wakes us).
             let mut fds = libc::pollfd { fd: this.fd, events: libc::POLLIN, revents: 0 };
             // SAFETY: `fds` is one valid pollfd for the call; `fd` is `inner`'s open descriptor.
             let ready = unsafe { libc::poll(&mut fds, 1, BLOCK_STEP.as_millis() as libc::c_int) };
-            if ready > 0 || (ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted) {
-                // Readable, closed or in error: the read says which. (Until then the window stays
-                // open: `last` moves only when bytes come.)
+            if ready < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Poll::Ready(Err(e));
+                }
+            } else if ready > 0 {
+                // Readable, closed or in error: the read says which.
                 match this.read_now(buf.initialize_unfilled()) {
                     Ok(n) => {
                         buf.advance(n);
@@ -223,10 +246,24 @@ mod tests {
         // Past the polling window, inside the poll(2) one; then past both.
         tokio::time::sleep(DEFAULT_SPIN + Duration::from_millis(30)).await;
         bwr.write_all(b"b").await.unwrap();
-        tokio::time::sleep(DEFAULT_SPIN + BLOCK_WINDOW + Duration::from_millis(100)).await;
+        tokio::time::sleep(DEFAULT_SPIN + 10 * BLOCK_STEP).await;
         bwr.write_all(b"c").await.unwrap();
         drop(bwr);
         assert_eq!(rx.await.unwrap().unwrap(), b"abc");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_on_its_own_thread_times_itself_out_when_idle() {
+        let (a, _b) = tokio::net::UnixStream::pair().unwrap();
+        let (rd, _wr) = a.into_split();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        spawn_reader(true, move |spin| async move {
+            let fd = rd.as_ref().as_raw_fd();
+            let mut r = SpinRead::new(rd, fd, spin).idle_after(Some(Duration::from_millis(50)));
+            let mut byte = [0u8; 1];
+            let _ = tx.send(r.read(&mut byte).await.map_err(|e| e.kind()));
+        });
+        assert_eq!(rx.await.unwrap(), Err(std::io::ErrorKind::TimedOut));
     }
 
     #[tokio::test(flavor = "current_thread")]
