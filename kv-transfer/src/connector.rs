@@ -299,10 +299,11 @@ impl Connector {
 
     /// [`Connector::send`] of KV whose every layer is already computed (a bulk transfer: after a
     /// whole prefill, out of a prefix cache): the handle starts with every layer pushed, and the
-    /// transfer's first steps — the link, the first announcements — run on the calling thread
-    /// before this returns (tens of microseconds; more when a link must be opened first), so the
-    /// receiver starts on it without waiting for a runtime thread to wake. Call it from a thread
-    /// that may block that long.
+    /// transfer's steps run on the calling thread until the first that waits — the link, every
+    /// announcement and, for a device pool, the sender's checksums (a few hundred microseconds for
+    /// hundreds of MiB; a link to open first, or a transport whose sends wait, hands the rest to
+    /// the runtime sooner) — so the receiver starts on it without waiting for a runtime thread to
+    /// wake. Call it from a thread that may block that long.
     pub fn send_ready(&self, desc: &TransferDescriptor, src_blocks: Vec<u32>, binding: u64, timeout: Option<Duration>) -> Result<SendHandle> {
         self.core.start_send(Arc::clone(&self.transport), desc, src_blocks, binding, timeout.unwrap_or(self.core_config_timeout()), true)
     }

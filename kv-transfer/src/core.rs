@@ -742,7 +742,7 @@ impl Core {
         };
         let job = job.run(cancel_rx, released, timeout);
         if ready {
-            // Every layer is there: the job's first steps (the link, the first announcements) run
+            // Every layer is there: the job's steps (the link, the announcements, the sums) run
             // here, on the caller's thread, until it first waits, so the receiver hears of the
             // transfer without waiting for a runtime worker to wake up; the rest runs on the
             // runtime. (The spawned task polls the job again at once, so the no-op waker of this
