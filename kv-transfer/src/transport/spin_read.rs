@@ -71,15 +71,15 @@ where
     }
 }
 
-/// `inner` (a socket's reading half, nonblocking, whose descriptor is `fd`), read without waiting
-/// for `spin` after each read that got bytes; see the module doc.
+/// `inner` (a socket's reading half, nonblocking, whose descriptor is `fd`): with a polling window
+/// (only [`spawn_reader`]'s threads get one), read without waiting for that long after each read
+/// that got bytes, then sleep in poll(2), never in the runtime; without, `inner` as it is. See the
+/// module doc.
 pub(crate) struct SpinRead<R> {
     inner: R,
     fd: RawFd,
     spin: Duration,
-    /// On a thread of its own: after the polling window, sleep in poll(2), never in the runtime.
-    block: bool,
-    /// On a thread of its own: fail with `TimedOut` once no bytes came for this long.
+    /// With a window: fail with `TimedOut` once no bytes came for this long.
     idle: Option<Duration>,
     last: Instant,
 }
@@ -88,11 +88,10 @@ pub(crate) struct SpinRead<R> {
 const BLOCK_STEP: Duration = Duration::from_millis(20);
 
 impl<R> SpinRead<R> {
-    /// `fd` must be `inner`'s descriptor, open as long as `inner` is.
+    /// `fd` must be `inner`'s descriptor, open as long as `inner` is; `spin` is the window
+    /// [`spawn_reader`] passed its reader (zero elsewhere).
     pub(crate) fn new(inner: R, fd: RawFd, spin: Duration) -> SpinRead<R> {
-        let multi = tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let block = std::thread::current().name() == Some(THREAD);
-        SpinRead { inner, fd, spin: if multi { spin } else { Duration::ZERO }, block, idle: None, last: Instant::now() }
+        SpinRead { inner, fd, spin, idle: None, last: Instant::now() }
     }
 
     /// On a thread of [`spawn_reader`]'s (which must not use the runtime's timers: they fail once
@@ -100,14 +99,14 @@ impl<R> SpinRead<R> {
     /// this does nothing (time the reads out with the runtime's timers there): see
     /// [`Self::on_own_thread`].
     pub(crate) fn idle_after(mut self, idle: Option<Duration>) -> SpinRead<R> {
-        self.idle = idle.filter(|_| self.block);
+        self.idle = idle.filter(|_| self.on_own_thread());
         self
     }
 
-    /// Whether this reader runs on a thread of [`spawn_reader`]'s (it sleeps in poll(2), and times
-    /// itself out).
+    /// Whether this reader runs on a thread of [`spawn_reader`]'s (it polls, sleeps in poll(2),
+    /// and times itself out).
     pub(crate) fn on_own_thread(&self) -> bool {
-        self.block
+        !self.spin.is_zero()
     }
 
     /// One read(2) of the descriptor into `buf` (nonblocking: the runtime set O_NONBLOCK).
@@ -122,67 +121,60 @@ impl<R> SpinRead<R> {
 impl<R: AsyncRead + Unpin> AsyncRead for SpinRead<R> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
+        if !this.on_own_thread() {
+            return Pin::new(&mut this.inner).poll_read(cx, buf);
+        }
         if buf.remaining() == 0 {
             return Poll::Ready(Ok(()));
         }
-        if !this.spin.is_zero() {
-            let until = this.last + this.spin;
-            loop {
-                match this.read_now(buf.initialize_unfilled()) {
-                    Ok(n) => {
-                        // n == 0 is the end of the stream, which an empty read reports.
-                        buf.advance(n);
-                        this.last = Instant::now();
-                        return Poll::Ready(Ok(()));
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        if Instant::now() >= until {
-                            break;
-                        }
-                        std::hint::spin_loop();
-                    }
-                    Err(e) => return Poll::Ready(Err(e)),
+        let until = this.last + this.spin;
+        loop {
+            match this.read_now(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    // n == 0 is the end of the stream, which an empty read reports.
+                    buf.advance(n);
+                    this.last = Instant::now();
+                    return Poll::Ready(Ok(()));
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= until {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+                Err(e) => return Poll::Ready(Err(e)),
             }
         }
-        if this.block {
-            if let Some(idle) = this.idle.filter(|&d| this.last.elapsed() >= d) {
-                return Poll::Ready(Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("idle for {idle:?}"))));
-            }
-            // On its own thread: sleep in poll(2) on the socket, so the kernel wakes this thread
-            // directly (the runtime's readiness would wake a worker first, which then wakes us).
-            let mut fds = libc::pollfd { fd: this.fd, events: libc::POLLIN, revents: 0 };
-            // SAFETY: `fds` is one valid pollfd for the call; `fd` is `inner`'s open descriptor.
-            let ready = unsafe { libc::poll(&mut fds, 1, BLOCK_STEP.as_millis() as libc::c_int) };
-            if ready < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Poll::Ready(Err(e));
-                }
-            } else if ready > 0 {
-                // Readable, closed or in error: the read says which.
-                match this.read_now(buf.initialize_unfilled()) {
-                    Ok(n) => {
-                        buf.advance(n);
-                        this.last = Instant::now();
-                        return Poll::Ready(Ok(()));
-                    }
-                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => {}
-                    Err(e) => return Poll::Ready(Err(e)),
-                }
-            }
-            // Nothing within a step: let the caller look at whatever else it waits for (a close),
-            // and come back.
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
+        if let Some(idle) = this.idle.filter(|&d| this.last.elapsed() >= d) {
+            return Poll::Ready(Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("idle for {idle:?}"))));
         }
-        let before = buf.filled().len();
-        let r = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            this.last = Instant::now();
+        // Sleep in poll(2) on the socket, so the kernel wakes this thread directly (the runtime's
+        // readiness would wake a worker first, which then wakes us).
+        let mut fds = libc::pollfd { fd: this.fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: `fds` is one valid pollfd for the call; `fd` is `inner`'s open descriptor.
+        let ready = unsafe { libc::poll(&mut fds, 1, BLOCK_STEP.as_millis() as libc::c_int) };
+        if ready < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Poll::Ready(Err(e));
+            }
+        } else if ready > 0 {
+            // Readable, closed or in error: the read says which.
+            match this.read_now(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    this.last = Instant::now();
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
         }
-        r
+        // Nothing within a step: let the caller look at whatever else it waits for (a close), and
+        // come back.
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
@@ -193,15 +185,16 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn reads_what_arrives_while_polling_and_after() {
+    async fn a_reader_without_a_window_reads_through_the_runtime() {
         let (a, b) = tokio::net::UnixStream::pair().unwrap();
         let (rd, _wr) = a.into_split();
         let fd = rd.as_ref().as_raw_fd();
-        let mut r = SpinRead::new(rd, fd, Duration::from_millis(20));
+        let mut r = SpinRead::new(rd, fd, Duration::ZERO).idle_after(Some(Duration::from_millis(1)));
+        assert!(!r.on_own_thread());
         let (_brd, mut bwr) = b.into_split();
         let writer = tokio::spawn(async move {
             bwr.write_all(b"hello").await.unwrap();
-            // Past the polling window: the reader sleeps on the runtime and is woken.
+            // The reader sleeps on the runtime and is woken (and never times itself out).
             tokio::time::sleep(Duration::from_millis(60)).await;
             bwr.write_all(b" world").await.unwrap();
             drop(bwr);
@@ -238,7 +231,7 @@ mod tests {
         spawn_reader(true, move |spin| async move {
             let fd = rd.as_ref().as_raw_fd();
             let mut r = SpinRead::new(rd, fd, spin);
-            assert!(r.block, "spawn_reader's thread sleeps in poll(2)");
+            assert!(r.on_own_thread(), "spawn_reader's thread polls and sleeps in poll(2)");
             let mut got = Vec::new();
             let _ = tx.send(r.read_to_end(&mut got).await.map(|_| got));
         });
@@ -268,9 +261,12 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn does_not_poll_on_a_single_threaded_runtime() {
-        let (a, _b) = tokio::net::UnixStream::pair().unwrap();
-        let (rd, _wr) = a.into_split();
-        let fd = rd.as_ref().as_raw_fd();
-        assert!(SpinRead::new(rd, fd, Duration::from_millis(20)).spin.is_zero());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        spawn_reader(true, move |spin| async move {
+            let _ = tx.send((spin, std::thread::current().name().map(str::to_string)));
+        });
+        let (spin, thread) = rx.await.unwrap();
+        assert!(spin.is_zero());
+        assert_ne!(thread.as_deref(), Some(THREAD));
     }
 }
