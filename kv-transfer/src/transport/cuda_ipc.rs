@@ -35,7 +35,6 @@
 //!   64 KiB.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -763,8 +762,7 @@ impl Reader {
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
         // The receiving side polls its socket while the link is busy (see `SpinRead`): the first
         // announcement of a transfer is what its copies wait for.
-        let fd = rd.as_ref().as_raw_fd();
-        let rd = SpinRead::new(rd, fd, spin);
+        let rd = SpinRead::new(rd, spin);
         let mut rd = BufReader::with_capacity(4 * MAX_MESSAGE, rd);
         // Chunks announced back to back are pulled as one batch: the reader collects the messages
         // already buffered (up to PULL_BATCH) before it enqueues. A pool that pushes from another

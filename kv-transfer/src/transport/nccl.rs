@@ -1010,9 +1010,8 @@ impl Reader {
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
         // The receiving side polls its socket while the link is busy (see `SpinRead`): a batch's
         // announcement is what its receive waits for.
-        let fd = std::os::fd::AsRawFd::as_raw_fd(rd.as_ref());
         let idle = (!self.link.sender_side).then_some(IDLE);
-        let mut rd = SpinRead::new(rd, fd, spin).idle_after(idle);
+        let mut rd = SpinRead::new(rd, spin).idle_after(idle);
         // (A reader on a thread of its own times itself out: the runtime's timers fail there once
         // the runtime shuts down.)
         let idle = idle.filter(|_| !rd.on_own_thread());

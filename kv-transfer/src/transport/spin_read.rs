@@ -16,7 +16,7 @@
 
 use std::io::Read;
 use std::mem::ManuallyDrop;
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -71,7 +71,7 @@ where
     }
 }
 
-/// `inner` (a socket's reading half, nonblocking, whose descriptor is `fd`): with a polling window
+/// `inner` (a socket's reading half, nonblocking): with a polling window
 /// (only [`spawn_reader`]'s threads get one), read without waiting for that long after each read
 /// that got bytes, then sleep in poll(2), never in the runtime; without, `inner` as it is. See the
 /// module doc.
@@ -88,9 +88,13 @@ pub(crate) struct SpinRead<R> {
 const BLOCK_STEP: Duration = Duration::from_millis(20);
 
 impl<R> SpinRead<R> {
-    /// `fd` must be `inner`'s descriptor, open as long as `inner` is; `spin` is the window
-    /// [`spawn_reader`] passed its reader (zero elsewhere).
-    pub(crate) fn new(inner: R, fd: RawFd, spin: Duration) -> SpinRead<R> {
+    /// `inner` reads the socket `S` it refers to (whose descriptor lives as long as `inner`);
+    /// `spin` is the window [`spawn_reader`] passed its reader (zero elsewhere).
+    pub(crate) fn new<S: AsRawFd>(inner: R, spin: Duration) -> SpinRead<R>
+    where
+        R: AsRef<S>,
+    {
+        let fd = inner.as_ref().as_raw_fd();
         SpinRead { inner, fd, spin, idle: None, last: Instant::now() }
     }
 
@@ -111,7 +115,8 @@ impl<R> SpinRead<R> {
 
     /// One read(2) of the descriptor into `buf` (nonblocking: the runtime set O_NONBLOCK).
     fn read_now(&self, buf: &mut [u8]) -> std::io::Result<usize> {
-        // SAFETY: `fd` is `inner`'s open descriptor (see `new`), borrowed for one read; the
+        // SAFETY: `fd` is the descriptor of `inner`'s socket (taken in `new`), open as long as
+        // `inner` is, borrowed for one read; the
         // `ManuallyDrop` never closes it.
         let mut file = ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(self.fd) });
         file.read(buf)
@@ -181,15 +186,13 @@ impl<R: AsyncRead + Unpin> AsyncRead for SpinRead<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsRawFd;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reader_without_a_window_reads_through_the_runtime() {
         let (a, b) = tokio::net::UnixStream::pair().unwrap();
         let (rd, _wr) = a.into_split();
-        let fd = rd.as_ref().as_raw_fd();
-        let mut r = SpinRead::new(rd, fd, Duration::ZERO).idle_after(Some(Duration::from_millis(1)));
+        let mut r = SpinRead::new(rd, Duration::ZERO).idle_after(Some(Duration::from_millis(1)));
         assert!(!r.on_own_thread());
         let (_brd, mut bwr) = b.into_split();
         let writer = tokio::spawn(async move {
@@ -229,8 +232,7 @@ mod tests {
         let (_brd, mut bwr) = b.into_split();
         let (tx, rx) = tokio::sync::oneshot::channel();
         spawn_reader(true, move |spin| async move {
-            let fd = rd.as_ref().as_raw_fd();
-            let mut r = SpinRead::new(rd, fd, spin);
+            let mut r = SpinRead::new(rd, spin);
             assert!(r.on_own_thread(), "spawn_reader's thread polls and sleeps in poll(2)");
             let mut got = Vec::new();
             let _ = tx.send(r.read_to_end(&mut got).await.map(|_| got));
@@ -251,8 +253,7 @@ mod tests {
         let (rd, _wr) = a.into_split();
         let (tx, rx) = tokio::sync::oneshot::channel();
         spawn_reader(true, move |spin| async move {
-            let fd = rd.as_ref().as_raw_fd();
-            let mut r = SpinRead::new(rd, fd, spin).idle_after(Some(Duration::from_millis(50)));
+            let mut r = SpinRead::new(rd, spin).idle_after(Some(Duration::from_millis(50)));
             let mut byte = [0u8; 1];
             let _ = tx.send(r.read(&mut byte).await.map_err(|e| e.kind()));
         });
