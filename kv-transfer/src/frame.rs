@@ -22,8 +22,9 @@ fn xxh3_64(bytes: &[u8]) -> u64 {
 use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
 
 /// Protocol version spoken by this build; the handshake refuses any other. (3: chunks announced
-/// before their checksum, `ChunkUnsummed` and `Sums`.)
-pub const PROTOCOL_VERSION: u16 = 3;
+/// before their checksum, `ChunkUnsummed` and `Sums`; 4: `Grant`, `Fence` and `Stopped`, for links
+/// whose sender writes the receiver's blocks itself.)
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Most checksums in one [`Frame::Sums`].
 pub const MAX_SUMS: usize = 256;
 /// Largest encoded frame header (matches `TANDEM_KV_MAX_HEADER` in the C header).
@@ -141,6 +142,26 @@ pub enum Frame {
         /// Transfer id.
         id: u64,
     },
+    /// Receiver → sender, on a link whose sender writes the receiver's blocks itself
+    /// ([`crate::transport::Link::writes_directly`]): transfer `id` is expected here; the sender may
+    /// write its destination blocks directly (protocol 4).
+    Grant {
+        /// Transfer id.
+        id: u64,
+    },
+    /// Receiver → sender, on such a link: transfer `id` ended here unsuccessfully; write nothing more
+    /// for it, now or later, and answer [`Frame::Stopped`] once every write made has landed
+    /// (protocol 4).
+    Fence {
+        /// Transfer id.
+        id: u64,
+    },
+    /// Sender → receiver: the answer to [`Frame::Fence`]: nothing more will be written for `id` and
+    /// everything written for it has landed (protocol 4).
+    Stopped {
+        /// Transfer id.
+        id: u64,
+    },
     /// Either way: transfer `id` is over, unsuccessfully.
     Abort {
         /// Transfer id.
@@ -196,6 +217,9 @@ fn kind_of(frame: &Frame) -> u8 {
         Frame::Abort { .. } => 7,
         Frame::ChunkUnsummed(_) => 8,
         Frame::Sums { .. } => 9,
+        Frame::Grant { .. } => 10,
+        Frame::Fence { .. } => 11,
+        Frame::Stopped { .. } => 12,
     }
 }
 
@@ -246,7 +270,7 @@ impl Frame {
                 body.extend_from_slice(&c.byte_len.to_le_bytes());
                 body.extend_from_slice(&c.checksum.to_le_bytes());
             }
-            Frame::Done { id } => body.extend_from_slice(&id.to_le_bytes()),
+            Frame::Done { id } | Frame::Grant { id } | Frame::Fence { id } | Frame::Stopped { id } => body.extend_from_slice(&id.to_le_bytes()),
             Frame::Sums { id, sums } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.extend_from_slice(&(sums.len() as u16).to_le_bytes());
@@ -347,6 +371,9 @@ impl Frame {
                 Frame::Sums { id, sums }
             }
             6 => Frame::Done { id: r.u64()? },
+            10 => Frame::Grant { id: r.u64()? },
+            11 => Frame::Fence { id: r.u64()? },
+            12 => Frame::Stopped { id: r.u64()? },
             7 => {
                 let id = r.u64()?;
                 let code = AbortCode::from_code(r.u8()?).ok_or_else(|| FrameError("unknown abort code".into()))?;
@@ -419,6 +446,9 @@ mod tests {
             Frame::Sums { id: 9, sums: vec![1, u64::MAX, 0x0123_4567_89ab_cdef] },
             Frame::Done { id: u64::MAX },
             Frame::Abort { id: 1, code: AbortCode::Integrity, reason: "checksum ✗".into() },
+            Frame::Grant { id: 0x0bad_cafe },
+            Frame::Fence { id: 0x0bad_cafe },
+            Frame::Stopped { id: 0x0bad_cafe },
         ]
     }
 

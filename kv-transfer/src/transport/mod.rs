@@ -163,6 +163,23 @@ pub trait Link: Send + Sync {
     }
     /// Closes the link; idempotent. Pending and later sends fail.
     fn close(&self);
+    /// Whether this link's sender writes payloads into the receiver's memory itself before it
+    /// announces them (one-sided writes: a CUDA IPC copy from the sender, an RDMA write). The
+    /// connector then grants each expected transfer on the link before the sender may write it, and
+    /// fences a transfer that ends unsuccessfully (`Fence`, answered by `Stopped`) before its blocks
+    /// are released; see docs/rfc-kv-sender-writes.md. Default: no.
+    fn writes_directly(&self) -> bool {
+        false
+    }
+    /// Sender side of a link that writes directly: resolves once every write made so far landed.
+    fn drain(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    /// Receiver side of a link that writes directly, once it closed: resolves once nothing its peer
+    /// started can still land in this process's memory.
+    fn quiesce(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
 }
 
 /// Where an incoming payload goes.
