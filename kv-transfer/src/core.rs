@@ -1299,6 +1299,9 @@ impl SendJob {
                 // `Sums` frame follows), which keeps the checksum off the bytes' path; host pools
                 // (unless `sums_follow`) and the pacing hook sum each chunk before announcing it.
                 let later = (core.device.is_some() || core.config.sums_follow) && delay.is_none();
+                // Whether the receiver granted this transfer to this link (checked per group: a
+                // fence revokes it).
+                let granted = link.writes_directly() && lock(&core.tx).grants.contains(&(link.id(), desc.id));
                 for part in chunks.chunks(step) {
                     let sums = if later {
                         None
@@ -1323,7 +1326,13 @@ impl SendJob {
                         };
                         let frame = if sums.is_some() { Frame::Chunk(header) } else { Frame::ChunkUnsummed(header) };
                         let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
-                        batch.push((frame.encode(), Payload::new(memory.iovs(l, blocks), hold)));
+                        let mut payload = Payload::new(memory.iovs(l, blocks), hold);
+                        if granted {
+                            // The receiver granted this transfer: the link writes its blocks itself.
+                            let dest = crate::transport::Dest { layer: l, blocks: desc.dst_blocks[first..first + count].to_vec() };
+                            payload = payload.with_dest(dest);
+                        }
+                        batch.push((frame.encode(), payload));
                         if delay.is_none() && i + 1 < part.len() {
                             continue;
                         }

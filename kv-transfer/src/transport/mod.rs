@@ -113,17 +113,40 @@ impl Capabilities {
 pub struct Payload {
     iovs: Vec<Iov>,
     _hold: Option<Arc<dyn Send + Sync>>,
+    dest: Option<Dest>,
+}
+
+/// Where a payload goes in the receiver's pool, given to a link that writes directly when the
+/// receiver granted the transfer (see [`Link::writes_directly`]): the same blocks the receiver's
+/// inbox will name for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dest {
+    /// Layer of the receiver's pool.
+    pub layer: u32,
+    /// Block ids there, in the payload's order.
+    pub blocks: Vec<u32>,
 }
 
 impl Payload {
     /// No payload.
     pub fn empty() -> Payload {
-        Payload { iovs: Vec::new(), _hold: None }
+        Payload { iovs: Vec::new(), _hold: None, dest: None }
     }
 
     /// A payload over `iovs`, kept valid by `hold`.
     pub fn new(iovs: Vec<Iov>, hold: Arc<dyn Send + Sync>) -> Payload {
-        Payload { iovs, _hold: Some(hold) }
+        Payload { iovs, _hold: Some(hold), dest: None }
+    }
+
+    /// This payload, to be written directly into `dest` of the receiver's pool.
+    pub fn with_dest(mut self, dest: Dest) -> Payload {
+        self.dest = Some(dest);
+        self
+    }
+
+    /// Where the receiver granted this payload to be written, if it did.
+    pub fn dest(&self) -> Option<&Dest> {
+        self.dest.as_ref()
     }
 
     /// The pieces, in order.
