@@ -24,7 +24,7 @@ use tokio::task::AbortHandle;
 use crate::connector::{ConnectorConfig, Metrics, TransferDescriptor};
 use crate::device::{Blocks, DeviceKv};
 use crate::error::{Error, Result};
-use crate::frame::{self, AbortCode, ChunkHeader, Frame, PROTOCOL_VERSION};
+use crate::frame::{self, AbortCode, ChunkHeader, Frame, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use crate::handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};
 use crate::memory::{Claim, Iov, KvMemory, MemoryKind};
 use crate::transport::{Delivery, Inbox, Landed, Link, Payload, Transport};
@@ -551,8 +551,8 @@ impl Core {
                 match frame {
                     Frame::Hello { .. } if known => Delivery::CloseLink("second hello on a link".into()),
                     Frame::Hello { version, geometry } => {
-                        let verdict = if version != PROTOCOL_VERSION {
-                            Err(format!("protocol version: receiver speaks {PROTOCOL_VERSION}, sender {version}"))
+                        let verdict = if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
+                            Err(format!("protocol version: receiver speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}, sender {version}"))
                         } else {
                             self.memory
                                 .geometry()
@@ -561,9 +561,10 @@ impl Core {
                         };
                         match verdict {
                             Ok(()) => {
-                                let direct = link.writes_directly();
+                                // (Grants and fences are protocol 4: an older sender's link gets none.)
+                                let direct = link.writes_directly() && version >= 4;
                                 rx.links.insert(link.id(), RxLink { link: Arc::clone(link), direct });
-                                replies.push((Arc::clone(link), Frame::HelloAck { version: PROTOCOL_VERSION }, false));
+                                replies.push((Arc::clone(link), Frame::HelloAck { version }, false));
                                 if direct {
                                     // Every transfer still expected may come over this new link.
                                     for (&id, t) in rx.transfers.iter_mut().filter(|(_, t)| t.fence_wait.is_none()) {
@@ -961,10 +962,12 @@ impl Core {
         *lock(&out.last_active) = Instant::now();
         match frame {
             Frame::HelloAck { version } => {
-                let verdict = if version == PROTOCOL_VERSION {
+                // The receiver answers with the version the link speaks: ours, or an older one we
+                // still speak (a newer receiver answering an older sender's hello).
+                let verdict = if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
                     Ok(())
                 } else {
-                    Err(Error::Incompatible(format!("protocol version: sender speaks {PROTOCOL_VERSION}, receiver {version}")))
+                    Err(Error::Incompatible(format!("protocol version: sender speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}, receiver {version}")))
                 };
                 if let Some(tx) = lock(&out.hello).take() {
                     let _ = tx.send(verdict);
@@ -1728,6 +1731,43 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!granted(&lock(&recorder.frames), recv.descriptor().id));
         drop(core);
+    }
+
+    #[tokio::test]
+    async fn an_older_sender_is_answered_in_its_version_and_granted_nothing() {
+        let core = receiver(ConnectorConfig::default());
+        let recv = core.expect(vec![1], 5, Duration::from_secs(30)).expect("expect");
+        let id = recv.descriptor().id;
+        // A protocol 3 sender on a link that could write directly: it speaks 3, so no grants.
+        let old = Direct::new(3);
+        let link: Arc<dyn Link> = Arc::clone(&old) as Arc<dyn Link>;
+        let hello = Frame::Hello { version: 3, geometry: geometry() };
+        assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
+        old.sent(|f| f.contains(&Frame::HelloAck { version: 3 })).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!granted(&lock(&old.frames), id), "a protocol 3 link was granted a transfer");
+        // Versions outside what this build speaks are refused.
+        for version in [MIN_PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1] {
+            let l = Direct::new(10 + u64::from(version));
+            let link: Arc<dyn Link> = Arc::clone(&l) as Arc<dyn Link>;
+            let hello = Frame::Hello { version, geometry: geometry() };
+            assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
+            l.sent(|f| f.iter().any(|f| matches!(f, Frame::HelloReject { reason } if reason.contains("protocol version")))).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sender_accepts_an_answer_in_any_version_it_speaks() {
+        for (version, ok) in [(MIN_PROTOCOL_VERSION, true), (PROTOCOL_VERSION, true), (MIN_PROTOCOL_VERSION - 1, false), (PROTOCOL_VERSION + 1, false)] {
+            let d = Direct::new(3);
+            let link: Arc<dyn Link> = Arc::clone(&d) as Arc<dyn Link>;
+            let core = sender_with(&link);
+            let out = lock(&core.tx).links.get(&3).cloned().expect("linked");
+            let (tx, rx) = oneshot::channel();
+            *lock(&out.hello) = Some(tx);
+            assert!(matches!(core.on_message(&link, &Frame::HelloAck { version }.encode(), 0), Delivery::Discard));
+            assert_eq!(rx.await.expect("a verdict").is_ok(), ok, "version {version}");
+        }
     }
 
     #[tokio::test]

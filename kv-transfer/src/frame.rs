@@ -21,10 +21,14 @@ fn xxh3_64(bytes: &[u8]) -> u64 {
 
 use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
 
-/// Protocol version spoken by this build; the handshake refuses any other. (3: chunks announced
-/// before their checksum, `ChunkUnsummed` and `Sums`; 4: `Grant`, `Fence` and `Stopped`, for links
-/// whose sender writes the receiver's blocks itself.)
+/// Newest protocol version spoken by this build. (3: chunks announced before their checksum,
+/// `ChunkUnsummed` and `Sums`; 4: `Grant`, `Fence` and `Stopped`, for links whose sender writes the
+/// receiver's blocks itself.)
 pub const PROTOCOL_VERSION: u16 = 4;
+/// Oldest protocol version this build still speaks: a receiver answers a sender's `Hello` of any
+/// version from this one to [`PROTOCOL_VERSION`] with that version (which the link then speaks), so
+/// senders of the previous release keep working during a rolling upgrade; anything else is refused.
+pub const MIN_PROTOCOL_VERSION: u16 = 3;
 /// Most checksums in one [`Frame::Sums`].
 pub const MAX_SUMS: usize = 256;
 /// Largest encoded frame header (matches `TANDEM_KV_MAX_HEADER` in the C header).

@@ -38,7 +38,7 @@ use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -98,6 +98,10 @@ fn sender_writes_enabled() -> bool {
 /// After a writing link closed, how long its sender may take to notice before its last writes are
 /// waited for (a sender stops enqueuing writes once it sees the link closed).
 const WRITE_GRACE: Duration = Duration::from_millis(200);
+/// How long, after that grace, a closed writing link's events are polled before its transfers'
+/// blocks are released regardless (a copy of a few GiB takes milliseconds; an event a dying
+/// process recorded may never complete).
+const QUIESCE_WAIT: Duration = Duration::from_secs(5);
 
 /// This host's identity (its boot), so an endpoint names the host it lives on.
 fn host_key() -> u64 {
@@ -369,6 +373,9 @@ impl CudaIpcTransport {
             Ok(pool) => {
                 // A sender that offers write events writes granted transfers itself: it gets our pool.
                 let writes = !pool.sender_events.is_empty();
+                if writes {
+                    tracing::info!(sender_pid = pool.pid, "cuda-ipc: the sender writes granted transfers into our pool itself");
+                }
                 let ok = if writes { self.pool_message.clone() } else { Vec::new() };
                 if write_message(&mut stream, K_OK, &ok).await.is_err() {
                     return;
@@ -697,6 +704,9 @@ impl Transport for CudaIpcTransport {
             {
                 return Err(Error::Incompatible("the receiver's pool has another layout than this one".into()));
             }
+            if dest.is_some() {
+                tracing::info!(%endpoint, "cuda-ipc: writing granted transfers into the receiver's pool");
+            }
             let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), None, dest, false);
             Ok(link)
         })
@@ -938,17 +948,30 @@ impl Link for IpcLink {
             // waited for through its events (those of a process that ended are over).
             tokio::time::sleep(WRITE_GRACE).await;
             let (Some(pool), Some(t)) = (self.pool.clone(), self.transport.upgrade()) else { return };
+            let self_peer = self.state.peer().to_string();
             if pool.pid == std::process::id() {
                 // A sender in this process owns its events and may have destroyed them with its
                 // connector: the grace above is all (same-process pairs are benches and tests).
                 return;
             }
             let _ = tokio::task::spawn_blocking(move || {
+                use cudarc::driver::sys::{CUevent, CUresult, cuEventQuery};
                 let _ = t.device.context().bind_to_thread();
-                for &ev in &pool.sender_events {
-                    // SAFETY: the event lives as long as `pool` (held here); a failure (the sender
-                    // process ended) means nothing of it runs any more.
-                    let _ = unsafe { cudarc::driver::sys::cuEventSynchronize(ev as cudarc::driver::sys::CUevent) };
+                // Polled, not synchronized: an event whose process died mid-record might never
+                // complete, and a quiesce must end (its transfer's blocks wait for it).
+                let since = Instant::now();
+                let mut left: Vec<u64> = pool.sender_events.clone();
+                while !left.is_empty() {
+                    // SAFETY: the events live as long as `pool` (held here).
+                    left.retain(|&ev| matches!(unsafe { cuEventQuery(ev as CUevent) }, CUresult::CUDA_ERROR_NOT_READY));
+                    if left.is_empty() {
+                        break;
+                    }
+                    if since.elapsed() > QUIESCE_WAIT {
+                        tracing::warn!(peer = self_peer, events = left.len(), "cuda-ipc: a closed link's sender writes did not finish; its blocks are released anyway");
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
                 }
             })
             .await;
