@@ -385,6 +385,23 @@ impl DeviceKv {
         self.pull_with(None, slot, &chunks, block_bytes, corrupt, None, Some(after))
     }
 
+    /// Enqueues, in pull slot `slot`, the verification of `dsts` (blocks of this connector's pool
+    /// that something else wrote, e.g. an NCCL receive) on `stream` (of this GPU) behind `after`;
+    /// `corrupt` (the integrity test hook) flips a byte of that chunk first. The sums reach host
+    /// memory when the slot's event completes, as for a pull.
+    pub(crate) fn verify_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        after: &cudarc::driver::CudaEvent,
+        slot: usize,
+        dsts: &[Blocks<'_>],
+        block_bytes: usize,
+        corrupt: Option<usize>,
+    ) -> Result<PullEvent> {
+        let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = dsts.iter().map(|d| (*d, *d)).collect();
+        self.pull_with(Some((stream, after)), slot, &chunks, block_bytes, corrupt, None, Some(after.cu_event() as u64))
+    }
+
     /// A pull as [`DeviceKv::pull`] makes it (no push), enqueued on `stream` (of this GPU) behind
     /// a wait for `after` (the last record of it when this is called): the nccl backend's
     /// gathers into and scatters out of a link's staging buffer, ordered against the link's NCCL
