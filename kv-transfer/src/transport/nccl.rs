@@ -1293,22 +1293,9 @@ impl Reader {
         }
         let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
         let k = gpu.next_buffer();
-        let staging = gpu.staging[k].ptr();
-        // Direct: straight into the blocks when every wanted payload's are one run.
-        let straight = matches!(moved, Moved::Direct { .. })
-            && chunks.iter().all(|(_, ids, _)| ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1)));
-        let ops: Vec<(u64, usize)> = match &moved {
-            Moved::Direct { .. } => {
-                let mut ops: Vec<(u64, usize)> = starts.iter().zip(lens).map(|(&at, &len)| (staging + at, len as usize)).collect();
-                if straight {
-                    for ((i, _, _), (layer, ids, _)) in wanted.iter().zip(&chunks) {
-                        ops[*i].0 = t.memory.layer_base(*layer) as u64 + u64::from(ids[0]) * bb;
-                    }
-                }
-                ops
-            }
-            Moved::Staged | Moved::StageFailed(_) => vec![(staging, total as usize)],
-        };
+        let into: Vec<(usize, u64, &[u32])> =
+            wanted.iter().zip(&chunks).map(|((i, _, _), (layer, ids, _))| (*i, t.memory.layer_base(*layer) as u64, ids.as_slice())).collect();
+        let (ops, straight) = receive_plan(lens, &moved, gpu.staging[k].ptr(), &into, bb);
         // SAFETY: staging ranges lie inside buffer `k` (the batch fits it, checked above); pool
         // ranges are whole blocks of one layer of this connector's pool that the inbox gave this
         // transfer's chunks (claimed until they are reported); nothing else writes either until
@@ -1350,6 +1337,39 @@ impl Reader {
             }
         }
         Ok(())
+    }
+}
+
+/// The receives of a batch of payloads of `lens` bytes that arrives as `moved` says, as
+/// `(device address, bytes)` in posting order — one per send the sender enqueued, of its length —
+/// and whether the wanted payloads land straight in their blocks. `staging`: the staging buffer the
+/// batch may use (it fits); `into`: each wanted payload's `(index in the batch, its layer's base,
+/// destination block ids)`.
+fn receive_plan(lens: &[u64], moved: &Moved, staging: u64, into: &[(usize, u64, &[u32])], block_bytes: u64) -> (Vec<(u64, usize)>, bool) {
+    match moved {
+        Moved::Staged | Moved::StageFailed(_) => (vec![(staging, lens.iter().sum::<u64>() as usize)], false),
+        Moved::Direct { .. } => {
+            // Each payload at its place in staging (back to back), unless every wanted payload's
+            // blocks are one run: then those straight into their blocks.
+            let mut at = 0u64;
+            let mut ops: Vec<(u64, usize)> = lens
+                .iter()
+                .map(|&len| {
+                    let op = (staging + at, len as usize);
+                    at += len;
+                    op
+                })
+                .collect();
+            let straight = into.iter().all(|(_, _, ids)| ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1)));
+            if straight {
+                for &(i, base, ids) in into {
+                    if let (Some(op), Some(&first)) = (ops.get_mut(i), ids.first()) {
+                        op.0 = base + u64::from(first) * block_bytes;
+                    }
+                }
+            }
+            (ops, straight)
+        }
     }
 }
 
@@ -1412,5 +1432,70 @@ impl RawNcclPair {
         // nothing else touches during a benchmark; the call waits for both GPUs before returning.
         unsafe { lock(&self.pair).send(a.base, b.base, bytes) }
             .map_err(|e| Error::Device(format!("raw NCCL send: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const BB: u64 = 4096;
+    const STAGING: u64 = 1 << 40;
+
+    /// A payload: its block count, and if the receiver wants it, its layer base and destination ids.
+    type Planned = (u32, Option<(u64, Vec<u32>)>);
+
+    /// A batch of payloads, destinations contiguous or scattered.
+    fn batch() -> impl Strategy<Value = Vec<Planned>> {
+        prop::collection::vec(
+            (1u32..6).prop_flat_map(|n| {
+                let dst = (0u64..4, prop::bool::ANY, 0u32..1000).prop_map(move |(layer, scattered, first)| {
+                    let ids: Vec<u32> = (0..n).map(|j| first + if scattered { 2 * j } else { j }).collect();
+                    ((layer + 1) << 32, ids)
+                });
+                (Just(n), prop::option::of(dst))
+            }),
+            1..8,
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn every_receive_matches_one_send_of_its_length_in_order(payloads in batch(), direct in prop::bool::ANY) {
+            let lens: Vec<u64> = payloads.iter().map(|(n, _)| u64::from(*n) * BB).collect();
+            let into: Vec<(usize, u64, &[u32])> =
+                payloads.iter().enumerate().filter_map(|(i, (_, d))| d.as_ref().map(|(base, ids)| (i, *base, ids.as_slice()))).collect();
+            let moved = if direct { Moved::Direct { corrupt: None } } else { Moved::Staged };
+            let (ops, straight) = receive_plan(&lens, &moved, STAGING, &into, BB);
+            let total: u64 = lens.iter().sum();
+            if !direct {
+                // The sender's one send of the whole batch, into the start of staging.
+                prop_assert_eq!(ops, vec![(STAGING, total as usize)]);
+                prop_assert!(!straight);
+                return Ok(());
+            }
+            // One receive per payload, of its length, in order: the sender's sends.
+            prop_assert_eq!(ops.len(), lens.len());
+            for (op, len) in ops.iter().zip(&lens) {
+                prop_assert_eq!(op.1 as u64, *len);
+            }
+            let scattered = into.iter().any(|(_, _, ids)| ids.windows(2).any(|w| w[1] != w[0] + 1));
+            prop_assert_eq!(straight, !scattered);
+            let mut at = STAGING;
+            for (i, op) in ops.iter().enumerate() {
+                match into.iter().find(|(j, _, _)| *j == i) {
+                    // Straight into exactly the payload's destination run.
+                    Some(&(_, base, ids)) if straight => {
+                        prop_assert_eq!(op.0, base + u64::from(ids[0]) * BB);
+                        prop_assert_eq!(op.0 + op.1 as u64, base + (u64::from(*ids.last().unwrap()) + 1) * BB);
+                    }
+                    // Otherwise at its place in staging, back to back.
+                    _ => prop_assert_eq!(op.0, at),
+                }
+                at += op.1 as u64;
+            }
+            prop_assert_eq!(at, STAGING + total);
+        }
     }
 }
