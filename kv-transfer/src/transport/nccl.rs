@@ -23,12 +23,12 @@
 //! the source blocks once gathered, the receiver's reports the chunks landed with their sums,
 //! which the connector core compares with the sender's before anything is reported.
 //!
-//! A batch whose every payload is one contiguous run of blocks (control protocol v4) goes direct
-//! instead: no gather, one `ncclSend` per payload straight from the pool (one NCCL group), held
-//! until the sends ran; the receiver posts one `ncclRecv` per payload, in the same order and of the
-//! same lengths, straight into its blocks when every payload it wants has contiguous blocks (then
-//! only verifies them where they landed), else each at its place in a staging buffer, scattered as
-//! a staged batch. `TANDEM_KV_NCCL_STAGED=1` stages every batch.
+//! Control protocol v4 sends batches direct instead: one `ncclSend` per payload (one NCCL group),
+//! straight from the pool where its blocks are one run (the others alone are gathered into staging
+//! first), held until the sends ran; the receiver posts one `ncclRecv` per payload, in the same
+//! order and of the same lengths, straight into its blocks when every payload it wants has
+//! contiguous blocks (then only verifies them where they landed), else each at its place in a
+//! staging buffer, scattered as a staged batch. `TANDEM_KV_NCCL_STAGED=1` stages every batch.
 //!
 //! Endpoint: `nccl://HOST:PORT` (the control channel; NCCL's own bootstrap and data connections
 //! are NCCL's: `NCCL_SOCKET_IFNAME` and friends choose their interfaces).
@@ -137,6 +137,10 @@ fn direct_enabled() -> bool {
 
 /// A chunk in a staging buffer: `(layer, block ids in the pool, first staging block)`.
 type StagedChunk = (u32, Vec<u32>, u32);
+
+/// A payload of a direct batch: `(layer, block ids in the pool, the run's device address)`, the
+/// address `None` when its blocks are not one run.
+type DirectPayload = (u32, Vec<u32>, Option<u64>);
 
 /// The NCCL transport; see the module doc.
 pub struct NcclTransport {
@@ -411,9 +415,11 @@ impl NcclTransport {
         corrupt
     }
 
-    /// Where each payload of a batch lies when every one is a contiguous run of blocks of one
-    /// layer: `(device address, bytes)`, sent from there as they are (`None`: stage the batch).
-    fn direct_runs(&self, payloads: &[Payload]) -> Option<Vec<(u64, usize)>> {
+    /// Where each payload of a batch lies, for a direct batch: `(layer, block ids, device address
+    /// of the run)`, the address `None` when its blocks are not one run (it is gathered into
+    /// staging and sent from there). `None` (stage the batch): direct batches are off, or a payload
+    /// is not whole blocks of one layer (the staged path reports that).
+    fn direct_plan(&self, payloads: &[Payload]) -> Option<Vec<DirectPayload>> {
         if !direct_enabled() {
             return None;
         }
@@ -422,8 +428,10 @@ impl NcclTransport {
             .iter()
             .map(|p| {
                 let (layer, ids) = self.memory.blocks_of(p.iovs())?;
-                let contiguous = ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
-                (contiguous && !ids.is_empty()).then(|| (self.memory.layer_base(layer) as u64 + u64::from(ids[0]) * bb, ids.len() * bb as usize))
+                let first = *ids.first()?;
+                let run = ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
+                let at = run.then(|| self.memory.layer_base(layer) as u64 + u64::from(first) * bb);
+                Some((layer, ids, at))
             })
             .collect()
     }
@@ -1058,8 +1066,8 @@ impl NcclLink {
         }
         let (items, payloads): (Vec<(u64, Vec<u8>)>, Vec<Payload>) = group.into_iter().map(|(h, p)| ((p.len(), h), p)).unzip();
         let gpu = self.ready_gpu().await.map_err(|e| self.link_err(e))?;
-        if let Some(runs) = t.direct_runs(&payloads) {
-            return self.send_direct(wr, &t, gpu, items, payloads, runs).await;
+        if let Some(plan) = t.direct_plan(&payloads) {
+            return self.send_direct(wr, &t, gpu, items, payloads, plan).await;
         }
         let (slot, permit) = t.slot(&self.closing).await.map_err(|e| self.link_err(e))?;
         // From the send's enqueue to the announcement the pair's NCCL operations are out of step:
@@ -1088,9 +1096,10 @@ impl NcclLink {
 }
 
 impl NcclLink {
-    /// A batch whose payloads are contiguous runs of the pool (`runs`: each one's address and
-    /// bytes): one send per payload, straight from the pool, no gather; announced as
-    /// [`Moved::Direct`]; the worker thread drops the payloads once the sends ran.
+    /// A direct batch (`plan`: [`NcclTransport::direct_plan`]): one send per payload, straight
+    /// from the pool where its blocks are one run, else from staging after a gather of those
+    /// payloads alone; announced as [`Moved::Direct`]; the worker thread drops the payloads once
+    /// the sends ran.
     async fn send_direct(
         &self,
         wr: &mut OwnedWriteHalf,
@@ -1098,17 +1107,52 @@ impl NcclLink {
         gpu: Arc<LinkGpu>,
         items: Vec<(u64, Vec<u8>)>,
         payloads: Vec<Payload>,
-        runs: Vec<(u64, usize)>,
+        plan: Vec<DirectPayload>,
     ) -> Result<()> {
+        let bb = t.memory.geometry().block_bytes();
+        let scattered = plan.iter().any(|(_, _, at)| at.is_none());
+        let slot = if scattered { Some(t.slot(&self.closing).await.map_err(|e| self.link_err(e))?) } else { None };
         let corrupt = t.pick_corrupt(payloads.len()).map(|i| i as u32);
+        // (Each side uses its staging buffers in turn, batch by batch.)
+        let k = gpu.next_buffer();
+        let staging = gpu.staging[k].ptr();
+        // Payloads whose blocks are not one run: back to back in staging buffer `k` (the batch fits
+        // one: `send_messages` groups by its size).
+        let mut gather: Vec<StagedChunk> = Vec::new();
+        let mut at = 0u32;
+        let runs: Vec<(u64, usize)> = plan
+            .into_iter()
+            .map(|(layer, ids, run)| {
+                let bytes = ids.len() * bb;
+                match run {
+                    Some(addr) => (addr, bytes),
+                    None => {
+                        let first = at;
+                        at += ids.len() as u32;
+                        gather.push((layer, ids, first));
+                        (staging + u64::from(first) * bb as u64, bytes)
+                    }
+                }
+            })
+            .collect();
+        if let Some((slot, permit)) = slot {
+            // Nothing of this batch is enqueued or announced yet: a gather that fails to start
+            // fails the batch alone, the pair's NCCL operations still in step.
+            let gathered = t.enqueue_move(&gpu, k, slot, &gather, true, None);
+            let failed = gathered.as_ref().err().cloned();
+            self.submit(Job::Gathered { pull: gathered.ok(), slot, _permit: permit, _hold: Vec::new(), _gpu: Arc::clone(&gpu) });
+            if let Some(e) = failed {
+                return Err(Error::Device(format!("staging chunks for NCCL: {e}")));
+            }
+        }
         // From the sends' enqueue to the announcement the pair's NCCL operations are out of step:
         // abandoning the batch in between (deadline, failure) closes the link.
         let mut torn = self.state.torn_guard();
-        // (The buffer turn advances on both sides for every batch, staged or not.)
-        let k = gpu.next_buffer();
-        // SAFETY: each run is whole blocks of one layer of this connector's pool (`direct_runs`
-        // located them), held by `payloads` until the worker saw the sends' event complete, or
-        // until the communicator was aborted and the link's work drained.
+        // SAFETY: each run is whole blocks of one layer of this connector's pool (`direct_plan`
+        // located them), or the part of staging buffer `k` the gather above fills (the sends wait
+        // for it: `enqueue_p2p_all` orders them behind the buffer's last gather); the payloads are
+        // held until the worker saw the sends' event complete, or until the communicator was
+        // aborted and the link's work drained.
         let sent = unsafe { gpu.enqueue_p2p_all(Dir::Send, k, &runs) };
         let done = sent.as_ref().ok().and_then(|()| gpu.net_event().ok());
         self.submit(Job::Sent { done, _hold: payloads, gpu: Arc::clone(&gpu) });
@@ -1118,6 +1162,8 @@ impl NcclLink {
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
         self.until_issued(&gpu).await.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
+        // (A later gather into buffer `k` waits for these sends.)
+        gpu.record_net(k).map_err(|e| self.link_err(e))?;
         torn.disarm();
         Ok(())
     }
