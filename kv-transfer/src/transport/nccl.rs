@@ -47,10 +47,11 @@
 //!   operation on its buffer, an NCCL operation for the last gather (scatter) of its buffer.
 //! - NCCL writes the staging buffers, and destination blocks only through a direct batch's
 //!   receives into the blocks the inbox gave its chunks; `on_payload` comes after the scatter (or,
-//!   received straight into the blocks, their verification) finished (after the communicator was aborted, if the
-//!   link closed meanwhile; should the work still not finish within `DRAIN`, the chunks are
-//!   reported failed and the pull slot is never reused), in delivery order; `on_link_closed`
-//!   after the last of them.
+//!   received straight into the blocks, their verification) finished — a failure, after the
+//!   link's NCCL stream ran out, since a receive may still be writing the blocks — (after the
+//!   communicator was aborted, if the link closed meanwhile; should the work still not finish
+//!   within `DRAIN`, the chunks are reported failed and the pull slot is never reused), in
+//!   delivery order; `on_link_closed` after the last of them.
 //! - Every wait is bounded: communicator creation by `INIT` (60 s; NCCL's blocking creation cannot
 //!   be interrupted, so a peer that never joins leaves that thread behind), device work by the
 //!   link (closed at the transfer's deadline or when the peer goes; then its communicator is
@@ -827,8 +828,9 @@ enum Job {
         /// The staging buffer it reads.
         _gpu: Arc<LinkGpu>,
     },
-    /// Receiver: chunks that fail without device work of theirs (reported in their turn).
-    Failed { tokens: Vec<u64>, reason: String },
+    /// Receiver: chunks that fail (reported in their turn; with `after`, once that link's NCCL
+    /// stream ran out: a direct batch's receives may still be writing their blocks).
+    Failed { tokens: Vec<u64>, reason: String, after: Option<Arc<LinkGpu>> },
 }
 
 /// A link's worker thread: waits for each job's device work in order and reports it (see [`Job`]);
@@ -883,7 +885,12 @@ fn link_worker(jobs: std::sync::mpsc::Receiver<Job>, link: &Arc<NcclLink>, devic
                     }
                 }
             }
-            Job::Failed { tokens, reason } => {
+            Job::Failed { tokens, reason, after } => {
+                if let Some(gpu) = after
+                    && let Err(e) = link.wait_until(|| gpu.net_idle(), &mut closed_at)
+                {
+                    tracing::warn!(peer = link.state.peer(), error = %e, "nccl: failed chunks' receives did not finish");
+                }
                 for token in tokens {
                     inbox.on_payload(&dyn_link, token, Err(reason.clone()));
                 }
@@ -1289,12 +1296,12 @@ impl Reader {
                 }
                 let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
                 if let Some(reason) = refused {
-                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}") });
+                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}"), after: Some(Arc::clone(&gpu)) });
                     return Err(reason);
                 }
                 let lens: Vec<u64> = items.iter().map(|(len, _)| *len).collect();
                 self.receive(&gpu, &lens, wanted, moved).await.inspect_err(|reason| {
-                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}") });
+                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}"), after: Some(Arc::clone(&gpu)) });
                 })
             }
             other => Err(format!("unexpected nccl control message {other:?}")),
@@ -1353,7 +1360,7 @@ impl Reader {
         let corrupt = match &moved {
             Moved::StageFailed(reason) => {
                 if !tokens.is_empty() {
-                    link.submit(Job::Failed { tokens, reason: format!("the sender could not stage the payload: {reason}") });
+                    link.submit(Job::Failed { tokens, reason: format!("the sender could not stage the payload: {reason}"), after: None });
                 }
                 return Ok(());
             }
@@ -1379,7 +1386,7 @@ impl Reader {
             Err(e) => {
                 // (A pull that failed to start has run out: its slot is free again.)
                 lock(&t.free_slots).push(slot);
-                link.submit(Job::Failed { tokens, reason: format!("landing chunks: {e}") });
+                link.submit(Job::Failed { tokens, reason: format!("landing chunks: {e}"), after: Some(Arc::clone(gpu)) });
             }
         }
         Ok(())
