@@ -424,17 +424,7 @@ impl NcclTransport {
         if !direct_enabled() {
             return None;
         }
-        let bb = self.memory.geometry().block_bytes() as u64;
-        payloads
-            .iter()
-            .map(|p| {
-                let (layer, ids) = self.memory.blocks_of(p.iovs())?;
-                let first = *ids.first()?;
-                let run = ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
-                let at = run.then(|| self.memory.layer_base(layer) as u64 + u64::from(first) * bb);
-                Some((layer, ids, at))
-            })
-            .collect()
+        direct_plan(&self.memory, payloads)
     }
 
     /// Takes a pull slot (waiting while all are in use, or until the link closes).
@@ -1393,6 +1383,21 @@ impl Reader {
     }
 }
 
+/// [`NcclTransport::direct_plan`] over `memory`.
+fn direct_plan(memory: &KvMemory, payloads: &[Payload]) -> Option<Vec<DirectPayload>> {
+    let bb = memory.geometry().block_bytes() as u64;
+    payloads
+        .iter()
+        .map(|p| {
+            let (layer, ids) = memory.blocks_of(p.iovs())?;
+            let first = *ids.first()?;
+            let run = ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
+            let at = run.then(|| memory.layer_base(layer) as u64 + u64::from(first) * bb);
+            Some((layer, ids, at))
+        })
+        .collect()
+}
+
 /// The receives of a batch of payloads of `lens` bytes that arrives as `moved` says, as
 /// `(device address, bytes)` in posting order — one per send the sender enqueued, of its length —
 /// and whether the wanted payloads land straight in their blocks. `staging`: the staging buffer the
@@ -1511,6 +1516,33 @@ mod tests {
             }),
             1..8,
         )
+    }
+
+    #[test]
+    fn a_direct_batch_sends_runs_from_the_pool_and_gathers_the_rest() {
+        use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
+        let g = Geometry::new(GeometrySpec {
+            model_id: "direct".into(),
+            dtype: DType::BF16,
+            block_size: 4,
+            num_layers: 3,
+            num_kv_heads: 1,
+            head_dim: 8,
+            layout: Layout::KvHeadTokenDim,
+        })
+        .expect("geometry");
+        let memory = KvMemory::host(g, 16).expect("pool");
+        let bb = memory.geometry().block_bytes() as u64;
+        let hold: Arc<dyn Send + Sync> = Arc::new(());
+        let payload = |layer: u32, ids: &[u32]| Payload::new(memory.iovs(layer, ids), Arc::clone(&hold));
+        let plan = direct_plan(&memory, &[payload(1, &[4, 5, 6]), payload(2, &[7, 3]), payload(0, &[9])]).expect("a plan");
+        assert_eq!(plan[0], (1, vec![4, 5, 6], Some(memory.layer_base(1) as u64 + 4 * bb)));
+        assert_eq!(plan[1], (2, vec![7, 3], None), "blocks that are not one run are gathered");
+        assert_eq!(plan[2], (0, vec![9], Some(memory.layer_base(0) as u64 + 9 * bb)));
+        // A payload that is not whole blocks of one layer: the batch is staged (which reports it).
+        let base = memory.layer_base(0);
+        let odd = Payload::new(vec![Iov { addr: base + 1, len: bb as usize, kind: MemoryKind::Host }], Arc::clone(&hold));
+        assert!(direct_plan(&memory, &[payload(0, &[1]), odd]).is_none());
     }
 
     proptest! {
