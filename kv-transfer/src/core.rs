@@ -169,8 +169,9 @@ struct Tx {
     pending: HashMap<(u64, u64), oneshot::Sender<Result<()>>>,
     /// (link id, transfer id) of the sender tasks linked and not yet ended.
     active: HashSet<(u64, u64)>,
-    /// Transfers a direct-writing link's receiver granted (see `Frame::Grant`).
-    grants: HashSet<(u64, u64)>,
+    /// Transfers a direct-writing link's receiver granted (see `Frame::Grant`), with the
+    /// destination blocks' hash and the content binding it granted them for.
+    grants: HashMap<(u64, u64), (u64, u64)>,
     /// Transfers a direct-writing link's receiver fenced: never written or started on that link
     /// again (the newest `FENCED_MEMORY`).
     fenced: HashSet<(u64, u64)>,
@@ -356,7 +357,7 @@ impl Core {
         if let Some(t) = rx.transfers.get_mut(&id) {
             for (lid, link) in direct {
                 t.granted_to.insert(lid);
-                grants.push((link, Frame::Grant { id }, false));
+                grants.push((link, Frame::Grant { id, blocks_hash: t.blocks_hash, binding: t.binding }, false));
             }
         }
         let me = self.me.clone();
@@ -569,7 +570,7 @@ impl Core {
                                     // Every transfer still expected may come over this new link.
                                     for (&id, t) in rx.transfers.iter_mut().filter(|(_, t)| t.fence_wait.is_none()) {
                                         t.granted_to.insert(link.id());
-                                        replies.push((Arc::clone(link), Frame::Grant { id }, false));
+                                        replies.push((Arc::clone(link), Frame::Grant { id, blocks_hash: t.blocks_hash, binding: t.binding }, false));
                                     }
                                 }
                             }
@@ -997,11 +998,11 @@ impl Core {
                 }
                 Delivery::Discard
             }
-            Frame::Grant { id } => {
+            Frame::Grant { id, blocks_hash, binding } => {
                 // (A grant that lost a race with its transfer's fence grants nothing.)
                 let mut tx = lock(&self.tx);
                 if !tx.fenced.contains(&(link_id, id)) {
-                    tx.grants.insert((link_id, id));
+                    tx.grants.insert((link_id, id), (blocks_hash, binding));
                 }
                 Delivery::Discard
             }
@@ -1122,7 +1123,7 @@ impl Inbox for Core {
                         let _ = w.send(Err(err.clone()));
                     }
                 }
-                tx.grants.retain(|k| k.0 != link_id);
+                tx.grants.retain(|k, _| k.0 != link_id);
             }
         }
         // Receiver side: fail every transfer that came over it (after marking a direct-writing link
@@ -1304,7 +1305,10 @@ impl SendJob {
                 let later = (core.device.is_some() || core.config.sums_follow) && delay.is_none();
                 // Whether the receiver granted this transfer to this link (checked per group: a
                 // fence revokes it).
-                let granted = link.writes_directly() && lock(&core.tx).grants.contains(&(link.id(), desc.id));
+                // Only for the blocks and the content the receiver expects: what it would refuse at
+                // `Start` is never written into its pool.
+                let granted = link.writes_directly()
+                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 for part in chunks.chunks(step) {
                     let sums = if later {
                         None
@@ -1709,7 +1713,7 @@ mod tests {
     }
 
     fn granted(frames: &[Frame], id: u64) -> bool {
-        frames.contains(&Frame::Grant { id })
+        frames.iter().any(|f| matches!(f, Frame::Grant { id: g, .. } if *g == id))
     }
 
     #[tokio::test]
@@ -1888,14 +1892,15 @@ mod tests {
             tx.pending.insert((3, id), done_tx);
             tx.active.insert((3, id));
         }
-        assert!(matches!(core.on_message(&link, &Frame::Grant { id }.encode(), 0), Delivery::Discard));
-        assert!(lock(&core.tx).grants.contains(&(3, id)));
+        let grant = Frame::Grant { id, blocks_hash: frame::blocks_hash(&[1]), binding: 5 };
+        assert!(matches!(core.on_message(&link, &grant.encode(), 0), Delivery::Discard));
+        assert!(lock(&core.tx).grants.contains_key(&(3, id)));
         assert!(matches!(core.on_message(&link, &Frame::Fence { id }.encode(), 0), Delivery::Discard));
         // The task hears the verdict; the grant is gone and a late one grants nothing.
         assert!(matches!(done_rx.await, Ok(Err(Error::Rejected { .. }))));
-        assert!(!lock(&core.tx).grants.contains(&(3, id)));
-        assert!(matches!(core.on_message(&link, &Frame::Grant { id }.encode(), 0), Delivery::Discard));
-        assert!(!lock(&core.tx).grants.contains(&(3, id)));
+        assert!(!lock(&core.tx).grants.contains_key(&(3, id)));
+        assert!(matches!(core.on_message(&link, &grant.encode(), 0), Delivery::Discard));
+        assert!(!lock(&core.tx).grants.contains_key(&(3, id)));
         // No `Stopped` while the task runs; one, after a drain, once it ended.
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!lock(&d.frames).contains(&Frame::Stopped { id }));

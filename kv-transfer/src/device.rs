@@ -108,9 +108,15 @@ pub(crate) const WRITE_EVENTS: usize = 64;
 /// A sender's write lane: a stream of its GPU on which its copies into receivers' pools run, and a
 /// ring of interprocess events recorded behind them, which receivers wait on before verifying.
 /// (Re-recording an event only makes a later waiter wait longer: one stream, in order.)
+///
+/// Each interprocess event has a plain twin recorded at the same point, for receivers in this same
+/// process: the driver (580, H100) crashes in `cuStreamWaitEvent` when a stream of another GPU
+/// waits on an interprocess event of the process that made it, and refuses to open the handle of
+/// an event of its own process; a plain event may be waited on from any GPU.
 struct Writer {
     // Events before the stream (drop order).
     events: Vec<RawEvent>,
+    local: Vec<RawEvent>,
     stream: Arc<CudaStream>,
     next: usize,
 }
@@ -133,8 +139,8 @@ impl Drop for RawEvent {
 }
 
 /// What a receiver needs to wait on one of a sender's write events: its interprocess handle, and
-/// its address in the sender's process (used as it is by a receiver in that same process, where
-/// CUDA does not open its own handles).
+/// the address of its plain twin in the sender's process (used as it is by a receiver in that same
+/// process; see [`Writer`]).
 #[derive(Clone, Copy)]
 pub(crate) struct WriteEvent {
     pub(crate) handle: [u8; 64],
@@ -202,15 +208,17 @@ impl DeviceKv {
             let ctx = self.context();
             ctx.bind_to_thread().map_err(err("binding the context"))?;
             let stream = ctx.new_stream().map_err(err("creating the write stream"))?;
-            let mut events = Vec::with_capacity(WRITE_EVENTS);
-            for _ in 0..WRITE_EVENTS {
+            let make = |flags: u32| -> Result<RawEvent> {
                 let mut ev: cudarc::driver::sys::CUevent = std::ptr::null_mut();
-                let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32 | cudarc::driver::sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
                 // SAFETY: `ev` is a valid out slot; the context is bound above.
                 unsafe { cudarc::driver::sys::cuEventCreate(&mut ev, flags) }.result().map_err(err("creating the write events"))?;
-                events.push(RawEvent(ev));
-            }
-            *guard = Some(Writer { events, stream, next: 0 });
+                Ok(RawEvent(ev))
+            };
+            let no_timing = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            let ipc = no_timing | cudarc::driver::sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
+            let events = (0..WRITE_EVENTS).map(|_| make(ipc)).collect::<Result<Vec<_>>>()?;
+            let local = (0..WRITE_EVENTS).map(|_| make(no_timing)).collect::<Result<Vec<_>>>()?;
+            *guard = Some(Writer { events, local, stream, next: 0 });
         }
         f(guard.as_mut().expect("made above"))
     }
@@ -220,11 +228,12 @@ impl DeviceKv {
         self.with_writer(|w| {
             w.events
                 .iter()
-                .map(|e| {
+                .zip(&w.local)
+                .map(|(e, twin)| {
                     let mut h = cudarc::driver::sys::CUipcEventHandle { reserved: [0; 64] };
                     // SAFETY: `e` is an interprocess event of this process; `h` a valid out slot.
                     unsafe { cudarc::driver::sys::cuIpcGetEventHandle(&mut h, e.0) }.result().map_err(err("exporting a write event"))?;
-                    Ok(WriteEvent { handle: h.reserved.map(|b| b as u8), raw: e.0 as u64 })
+                    Ok(WriteEvent { handle: h.reserved.map(|b| b as u8), raw: twin.0 as u64 })
                 })
                 .collect()
         })
@@ -255,8 +264,10 @@ impl DeviceKv {
             }
             let k = w.next;
             w.next = (w.next + 1) % w.events.len();
-            // SAFETY: the event and the stream belong to this context.
+            // SAFETY: the events and the stream belong to this context.
             unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
             crate::transport::kv_trace!("write of {} chunks ({} copies) enqueued, event {k}", chunks.len(), runs.len());
             Ok(k)
         })

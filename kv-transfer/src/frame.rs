@@ -148,10 +148,15 @@ pub enum Frame {
     },
     /// Receiver → sender, on a link whose sender writes the receiver's blocks itself
     /// ([`crate::transport::Link::writes_directly`]): transfer `id` is expected here; the sender may
-    /// write its destination blocks directly (protocol 4).
+    /// write its destination blocks directly (protocol 4) — only if its own `Start` would carry
+    /// these `blocks_hash` and `binding` (content the receiver would refuse is never written).
     Grant {
         /// Transfer id.
         id: u64,
+        /// [`blocks_hash`] of the destination blocks the receiver expects.
+        blocks_hash: u64,
+        /// The content binding the receiver expects.
+        binding: u64,
     },
     /// Receiver → sender, on such a link: transfer `id` ended here unsuccessfully; write nothing more
     /// for it, now or later, and answer [`Frame::Stopped`] once every write made has landed
@@ -260,6 +265,11 @@ impl Frame {
             }
             Frame::HelloAck { version } => body.extend_from_slice(&version.to_le_bytes()),
             Frame::HelloReject { reason } => put_str(&mut body, reason),
+            Frame::Grant { id, blocks_hash, binding } => {
+                body.extend_from_slice(&id.to_le_bytes());
+                body.extend_from_slice(&blocks_hash.to_le_bytes());
+                body.extend_from_slice(&binding.to_le_bytes());
+            }
             Frame::Start { id, num_blocks, blocks_hash, binding } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.extend_from_slice(&num_blocks.to_le_bytes());
@@ -274,7 +284,7 @@ impl Frame {
                 body.extend_from_slice(&c.byte_len.to_le_bytes());
                 body.extend_from_slice(&c.checksum.to_le_bytes());
             }
-            Frame::Done { id } | Frame::Grant { id } | Frame::Fence { id } | Frame::Stopped { id } => body.extend_from_slice(&id.to_le_bytes()),
+            Frame::Done { id } | Frame::Fence { id } | Frame::Stopped { id } => body.extend_from_slice(&id.to_le_bytes()),
             Frame::Sums { id, sums } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.extend_from_slice(&(sums.len() as u16).to_le_bytes());
@@ -375,7 +385,7 @@ impl Frame {
                 Frame::Sums { id, sums }
             }
             6 => Frame::Done { id: r.u64()? },
-            10 => Frame::Grant { id: r.u64()? },
+            10 => Frame::Grant { id: r.u64()?, blocks_hash: r.u64()?, binding: r.u64()? },
             11 => Frame::Fence { id: r.u64()? },
             12 => Frame::Stopped { id: r.u64()? },
             7 => {
@@ -450,7 +460,7 @@ mod tests {
             Frame::Sums { id: 9, sums: vec![1, u64::MAX, 0x0123_4567_89ab_cdef] },
             Frame::Done { id: u64::MAX },
             Frame::Abort { id: 1, code: AbortCode::Integrity, reason: "checksum ✗".into() },
-            Frame::Grant { id: 0x0bad_cafe },
+            Frame::Grant { id: 0x0bad_cafe, blocks_hash: blocks_hash(&[4, 5]), binding: 0x0123_4567 },
             Frame::Fence { id: 0x0bad_cafe },
             Frame::Stopped { id: 0x0bad_cafe },
         ]

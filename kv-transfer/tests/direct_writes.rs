@@ -1,6 +1,7 @@
 //! Protocol 4 between two connectors whose links report `writes_directly` (the `inproc` backend
 //! wrapped so that it says so; docs/rfc-kv-sender-writes.md): the receiver grants each expected
-//! transfer, a granted sender hands its transport every payload with its destination, a failed
+//! transfer, a granted sender hands its transport every payload with its destination (only for the
+//! content and blocks the grant names), a failed
 //! transfer is fenced and ends only once the sender answered, and a fenced transfer never starts.
 
 use std::collections::HashMap;
@@ -155,6 +156,18 @@ async fn grants_destinations_and_fences_between_direct_writing_connectors() {
     let dests = sender_seen.dests.lock().unwrap().clone();
     let want: Vec<Dest> = (0..3).map(|layer| Dest { layer, blocks: vec![6, 2] }).collect();
     assert_eq!(dests, want);
+
+    // A sender bound to other content than the grant names writes nothing directly: its payloads
+    // go as plain payloads, and the receiver refuses them at `Start`.
+    let mut recv = rx.expect(vec![7], 1, None).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    sender_seen.dests.lock().unwrap().clear();
+    let mut send = tx.send_ready(recv.descriptor(), vec![1], 2, None).unwrap();
+    let err = tokio::time::timeout(WITHIN, send.wait()).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::Rejected { .. }), "{err}");
+    let err = tokio::time::timeout(WITHIN, recv.wait()).await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::Rejected { .. }), "{err}");
+    assert!(sender_seen.dests.lock().unwrap().is_empty(), "content the receiver refuses was handed over to be written");
 
     // The receiver gives a transfer up: it is fenced, the sender confirms after draining, and the
     // cancel returns with the blocks free.

@@ -699,11 +699,11 @@ impl Transport for CudaIpcTransport {
                 (K_REFUSE, body) => return Err(Error::Incompatible(String::from_utf8_lossy(&body).into_owned())),
                 (k, _) => return Err(unreachable(format!("unexpected handshake message {k}"))),
             };
-            if let Some(d) = &dest
-                && (d.block_bytes != self.memory.geometry().block_bytes() as u64 || d.layer_bases.len() != self.memory.geometry().num_layers() as usize)
-            {
-                return Err(Error::Incompatible("the receiver's pool has another layout than this one".into()));
-            }
+            // A pool of another layout is never written: the connectors' handshake refuses it, with
+            // the geometry that differs (writes also check every block against the pool's extent).
+            let dest = dest.filter(|d| {
+                d.block_bytes == self.memory.geometry().block_bytes() as u64 && d.layer_bases.len() == self.memory.geometry().num_layers() as usize
+            });
             if dest.is_some() {
                 tracing::info!(%endpoint, "cuda-ipc: writing granted transfers into the receiver's pool");
             }
