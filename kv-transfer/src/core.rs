@@ -294,12 +294,25 @@ impl Core {
     }
 
     /// Sends frames from a spawned task (never under a lock); `close` closes the link afterwards.
+    /// Sends `replies`: one task per link, each link's frames in the order given (an `Abort` must
+    /// reach its sender before the `Fence` behind it, or the sender would hear "fenced" instead of
+    /// why).
     fn reply(&self, replies: Replies) {
+        let mut by_link: Vec<(Arc<dyn Link>, Vec<(Frame, bool)>)> = Vec::new();
         for (link, frame, close) in replies {
+            match by_link.iter_mut().find(|(l, _)| l.id() == link.id()) {
+                Some((_, frames)) => frames.push((frame, close)),
+                None => by_link.push((link, vec![(frame, close)])),
+            }
+        }
+        for (link, frames) in by_link {
             self.rt.spawn(async move {
-                let _ = link.send(frame.encode(), Payload::empty()).await;
-                if close {
-                    link.close();
+                for (frame, close) in frames {
+                    let _ = link.send(frame.encode(), Payload::empty()).await;
+                    if close {
+                        link.close();
+                        break;
+                    }
                 }
             });
         }

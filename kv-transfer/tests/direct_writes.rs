@@ -169,6 +169,20 @@ async fn grants_destinations_and_fences_between_direct_writing_connectors() {
     assert!(matches!(err, Error::Rejected { .. }), "{err}");
     assert!(sender_seen.dests.lock().unwrap().is_empty(), "content the receiver refuses was handed over to be written");
 
+    // A receiver that cancels a running transfer tells its sender why before it fences it: the
+    // sender hears the cancel, not the fence (run a few times: the two frames once raced).
+    for _ in 0..20 {
+        let mut recv = rx.expect(vec![4, 5], 1, None).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut send = tx.send(recv.descriptor(), vec![1, 2], 1, None).unwrap();
+        send.push_layer(0).unwrap();
+        tokio::time::timeout(WITHIN, recv.layer_ready(0)).await.unwrap().unwrap();
+        tokio::time::timeout(WITHIN, recv.cancel()).await.expect("the fence was answered");
+        let err = tokio::time::timeout(WITHIN, send.wait()).await.unwrap().unwrap_err();
+        assert!(matches!(err, Error::Cancelled { by: "receiver", .. }), "{err}");
+        assert_eq!(dst.claimed_blocks(), 0);
+    }
+
     // The receiver gives a transfer up: it is fenced, the sender confirms after draining, and the
     // cancel returns with the blocks free.
     let recv = rx.expect(vec![4, 5], 1, None).unwrap();
