@@ -298,7 +298,9 @@ impl Core {
     /// reach its sender before the `Fence` behind it, or the sender would hear "fenced" instead of
     /// why).
     fn reply(&self, replies: Replies) {
-        let mut by_link: Vec<(Arc<dyn Link>, Vec<(Frame, bool)>)> = Vec::new();
+        /// A link and its frames to send, each with whether to close the link after it.
+        type Queue = (Arc<dyn Link>, Vec<(Frame, bool)>);
+        let mut by_link: Vec<Queue> = Vec::new();
         for (link, frame, close) in replies {
             match by_link.iter_mut().find(|(l, _)| l.id() == link.id()) {
                 Some((_, frames)) => frames.push((frame, close)),
