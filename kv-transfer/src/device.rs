@@ -110,12 +110,6 @@ pub(crate) const WRITE_EVENTS: usize = 128;
 /// NVLink; an event record costs the host a few µs).
 const WRITE_EVENT_BYTES: usize = 8 << 20;
 
-/// `WRITE_EVENT_BYTES`, or `TANDEM_KV_WRITE_EVENT_MIB` MiB (for measuring the trade-off).
-fn write_event_bytes() -> usize {
-    static B: OnceLock<usize> = OnceLock::new();
-    *B.get_or_init(|| std::env::var("TANDEM_KV_WRITE_EVENT_MIB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(WRITE_EVENT_BYTES, |m| m.clamp(1, 1 << 20) << 20))
-}
-
 /// A sender's write lane: a stream of its GPU on which its copies into receivers' pools run, and a
 /// ring of interprocess events recorded behind them, which receivers wait on before verifying.
 /// (Re-recording an event only makes a later waiter wait longer: one stream, in order.)
@@ -263,7 +257,7 @@ impl DeviceKv {
         if !in_range {
             return Err(Error::Invalid("a write of blocks outside a pool".into()));
         }
-        let stretches = write_stretches(chunks.iter().map(|(src, _)| src.ids.len() * block_bytes), write_event_bytes());
+        let stretches = write_stretches(chunks.iter().map(|(src, _)| src.ids.len() * block_bytes), WRITE_EVENT_BYTES);
         self.with_writer(|w| {
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
             let mut events = Vec::with_capacity(chunks.len());
