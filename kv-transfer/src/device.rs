@@ -102,13 +102,8 @@ pub(crate) struct DeviceKv {
     writer: Mutex<Option<Writer>>,
 }
 
-/// How many interprocess events a writing sender records in turn (one per `WRITE_EVENT_BYTES` of
-/// writes, at least one per batch): 1 GiB of writes before one is recorded again.
-pub(crate) const WRITE_EVENTS: usize = 128;
-/// How many bytes of a batch's writes one write event covers at most: a receiver verifies each
-/// stretch as soon as it landed instead of the whole batch behind its last copy (~20 µs of
-/// NVLink; an event record costs the host a few µs).
-const WRITE_EVENT_BYTES: usize = 8 << 20;
+/// How many interprocess events a writing sender records in turn (one per batch of writes).
+pub(crate) const WRITE_EVENTS: usize = 64;
 
 /// A sender's write lane: a stream of its GPU on which its copies into receivers' pools run, and a
 /// ring of interprocess events recorded behind them, which receivers wait on before verifying.
@@ -247,42 +242,34 @@ impl DeviceKv {
     /// Enqueues the copies of `chunks` — `(source blocks in this connector's pool, destination
     /// blocks in a receiver's pool as this GPU addresses it)` — on the write stream, one copy per
     /// contiguous run (the copy engines; peer copies when the receiver's pool is on another GPU),
-    /// records a write event behind each stretch of about `WRITE_EVENT_BYTES` (and behind the last
-    /// chunk), and returns, for each chunk, the index of the first event recorded behind it. The
-    /// caller holds the source blocks until the receiver acknowledged them, and writes only blocks
-    /// the receiver granted.
-    pub(crate) fn write(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize) -> Result<Vec<usize>> {
+    /// records the next write event behind them and returns its index. The caller holds the source
+    /// blocks until the receiver acknowledged them, and writes only blocks the receiver granted.
+    pub(crate) fn write(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize) -> Result<usize> {
         let in_range =
             chunks.iter().all(|(src, dst)| src.ids.len() == dst.ids.len() && src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
         if !in_range {
             return Err(Error::Invalid("a write of blocks outside a pool".into()));
         }
-        let stretches = write_stretches(chunks.iter().map(|(src, _)| src.ids.len() * block_bytes), WRITE_EVENT_BYTES);
+        let runs = engine_runs(chunks.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes);
         self.with_writer(|w| {
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
-            let mut events = Vec::with_capacity(chunks.len());
-            for stretch in stretches {
-                let runs = engine_runs(chunks[stretch.clone()].iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes);
-                for &(dst, src, bytes) in &runs {
-                    // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by
-                    // the transfer until the receiver acknowledged it), `dst` one of the receiver's
-                    // pool as this context addresses it (its blocks granted to this transfer); both
-                    // checked against their arrays' extents above; stream-ordered on the write
-                    // stream.
-                    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
-                        .result()
-                        .map_err(err("writing KV blocks into the receiver's pool"))?;
-                }
-                let k = w.next;
-                w.next = (w.next + 1) % w.events.len();
-                // SAFETY: the events and the stream belong to this context.
-                unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
-                // SAFETY: as above.
-                unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
-                crate::transport::kv_trace!("write of {} chunks ({} copies) enqueued, event {k}", stretch.len(), runs.len());
-                events.extend(std::iter::repeat_n(k, stretch.len()));
+            for &(dst, src, bytes) in &runs {
+                // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by the
+                // transfer until the receiver acknowledged it), `dst` one of the receiver's pool as
+                // this context addresses it (its blocks granted to this transfer); both checked
+                // against their arrays' extents above; stream-ordered on the write stream.
+                unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
+                    .result()
+                    .map_err(err("writing KV blocks into the receiver's pool"))?;
             }
-            Ok(events)
+            let k = w.next;
+            w.next = (w.next + 1) % w.events.len();
+            // SAFETY: the events and the stream belong to this context.
+            unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+            crate::transport::kv_trace!("write of {} chunks ({} copies) enqueued, event {k}", chunks.len(), runs.len());
+            Ok(k)
         })
     }
 
@@ -402,14 +389,9 @@ impl DeviceKv {
     }
 
     /// Enqueues, in pull slot `slot`, the verification of `dsts` (blocks of this connector's pool)
-    /// that a sender wrote itself, each behind its entry of `after` (the sender's write events, as
-    /// this process addresses them): each stretch of chunks behind one event is verified as soon as
-    /// that event completed; the sums reach host memory when the slot's event completes, as for a
-    /// pull.
-    pub(crate) fn verify_written(&self, slot: usize, dsts: &[Blocks<'_>], block_bytes: usize, corrupt: Option<usize>, after: &[u64]) -> Result<PullEvent> {
-        if after.len() != dsts.len() {
-            return Err(Error::Invalid(format!("{} write events for {} chunks", after.len(), dsts.len())));
-        }
+    /// that a sender wrote itself, behind `after` (the sender's write event, opened in this
+    /// process): the sums reach host memory when the slot's event completes, as for a pull.
+    pub(crate) fn verify_written(&self, slot: usize, dsts: &[Blocks<'_>], block_bytes: usize, corrupt: Option<usize>, after: u64) -> Result<PullEvent> {
         let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = dsts.iter().map(|d| (*d, *d)).collect();
         self.pull_with(None, slot, &chunks, block_bytes, corrupt, None, Some(after))
     }
@@ -428,8 +410,7 @@ impl DeviceKv {
         corrupt: Option<usize>,
     ) -> Result<PullEvent> {
         let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = dsts.iter().map(|d| (*d, *d)).collect();
-        let events = vec![after.cu_event() as u64; chunks.len()];
-        self.pull_with(Some((stream, after)), slot, &chunks, block_bytes, corrupt, None, Some(&events))
+        self.pull_with(Some((stream, after)), slot, &chunks, block_bytes, corrupt, None, Some(after.cu_event() as u64))
     }
 
     /// A pull as [`DeviceKv::pull`] makes it (no push), enqueued on `stream` (of this GPU) behind
@@ -457,7 +438,7 @@ impl DeviceKv {
         block_bytes: usize,
         corrupt: Option<usize>,
         push: Option<PushFrom<'_>>,
-        written: Option<&[u64]>,
+        written: Option<u64>,
     ) -> Result<PullEvent> {
         let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
         let bad = chunks.is_empty()
@@ -508,7 +489,7 @@ impl DeviceKv {
         block_bytes: usize,
         corrupt: Option<usize>,
         push: Option<PushFrom<'_>>,
-        written: Option<&[u64]>,
+        written: Option<u64>,
     ) -> Result<PullEvent> {
         // The raw driver calls below act on the thread's current context: make it the pool's GPU's
         // (a thread may have worked for a connector of another GPU just before).
@@ -518,11 +499,8 @@ impl DeviceKv {
         let push = push.filter(|_| !p.push_failed);
         let segments: Vec<KvSegment> = chunks.iter().map(|(src, dst)| KvSegment { src: src.base, dst: dst.base, blocks: src.ids.len() as u32 }).collect();
         let verify: Vec<KvSegment> = chunks.iter().map(|(_, dst)| KvSegment { src: dst.base, dst: 0, blocks: dst.ids.len() as u32 }).collect();
-        // Chunk groups verified by one launch each: the stretches behind one write event each, the
-        // push's groups, or the whole batch.
-        let groups: Vec<std::ops::Range<usize>> = if let Some(events) = written {
-            same_runs(events)
-        } else if push.is_some() {
+        // Chunk groups verified by one launch each: the push's groups, or the whole batch.
+        let groups: Vec<std::ops::Range<usize>> = if push.is_some() {
             let g = push_group();
             (0..chunks.len()).step_by(g).map(|a| a..(a + g).min(chunks.len())).collect()
         } else {
@@ -659,14 +637,14 @@ impl DeviceKv {
             Ok(())
         };
         let slot_sums = |range: &std::ops::Range<usize>| slot * PULL_BATCH + range.start..slot * PULL_BATCH + range.end;
-        if let Some(events) = written {
-            // The sender wrote the blocks itself: verify each stretch behind its write event.
+        if let Some(ev) = written {
+            // The sender wrote the blocks itself: verify them behind its write event.
+            // SAFETY: `ev` is a live event of this process (the sender's, or opened from its
+            // handle; the link keeps it); the stream is this context's.
+            unsafe { cudarc::driver::sys::cuStreamWaitEvent(stream, ev as cudarc::driver::sys::CUevent, 0) }
+                .result()
+                .map_err(err("waiting for the sender's writes"))?;
             for (g, range) in groups.iter().enumerate() {
-                // SAFETY: the event is a live event of this process (the sender's, or opened from
-                // its handle; the link keeps it); the stream is this context's.
-                unsafe { cudarc::driver::sys::cuStreamWaitEvent(stream, events[range.start] as cudarc::driver::sys::CUevent, 0) }
-                    .result()
-                    .map_err(err("waiting for the sender's writes"))?;
                 corrupt_in(range)?;
                 verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
             }
@@ -734,44 +712,12 @@ const MAX_PUSH_GROUPS: usize = PULL_BATCH.div_ceil(PUSH_GROUP);
 /// Staged ids per pull slot (sources, then destinations).
 const IDS_STRIDE: usize = 2 * PULL_BATCH * crate::MAX_CHUNK_BLOCKS as usize;
 /// Staged table words per pull slot: the copy's table (3 per chunk + 1), then the verification
-/// groups' tables (3 per chunk + 1 per group; at most one group per chunk: a verification of what a
-/// sender wrote makes one per write event).
-const TABLE_STRIDE: usize = 7 * PULL_BATCH + 2;
+/// groups' tables (3 per chunk + 1 per group).
+const TABLE_STRIDE: usize = 6 * PULL_BATCH + 2 * MAX_PUSH_GROUPS + 2;
 
 /// The contiguous runs of chunks given as `(source base, source, destination)` blocks:
 /// `(destination address, source address, bytes)`, neighbouring blocks merged (across chunks too,
 /// where one chunk's last block and the next one's first are neighbours on both sides).
-/// Splits chunks of these byte sizes into consecutive stretches of at least `bytes` each (the last
-/// may be shorter); every chunk lies in exactly one.
-fn write_stretches(sizes: impl Iterator<Item = usize>, bytes: usize) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut acc, mut n) = (0, 0, 0);
-    for size in sizes {
-        acc += size;
-        n += 1;
-        if acc >= bytes {
-            out.push(start..n);
-            (start, acc) = (n, 0);
-        }
-    }
-    if start < n {
-        out.push(start..n);
-    }
-    out
-}
-
-/// The maximal runs of equal neighbours of `values`, as index ranges.
-fn same_runs(values: &[u64]) -> Vec<std::ops::Range<usize>> {
-    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
-    for (i, v) in values.iter().enumerate() {
-        match out.last_mut() {
-            Some(r) if values[r.start] == *v => r.end = i + 1,
-            _ => out.push(i..i + 1),
-        }
-    }
-    out
-}
-
 fn engine_runs<'a>(chunks: impl Iterator<Item = (u64, Blocks<'a>, Blocks<'a>)>, block_bytes: usize) -> Vec<(u64, u64, usize)> {
     let mut runs: Vec<(u64, u64, usize)> = Vec::new();
     let bb = block_bytes as u64;
@@ -1123,44 +1069,6 @@ mod tests {
 
     fn blocks(base: u64, ids: &[u32]) -> Blocks<'_> {
         Blocks { base, num_blocks: 64, ids }
-    }
-
-    #[test]
-    fn write_stretches_cover_every_chunk_once_each_of_at_least_the_bytes() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..500 {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let n = (state % 40) as usize;
-            let sizes: Vec<usize> = (0..n).map(|i| 1 + ((state >> (i % 48)) % 20) as usize).collect();
-            let every = 1 + (state % 30) as usize;
-            let s = write_stretches(sizes.iter().copied(), every);
-            // Consecutive, covering 0..n exactly, none empty.
-            let mut at = 0;
-            for (k, r) in s.iter().enumerate() {
-                assert_eq!(r.start, at);
-                assert!(r.end > r.start);
-                let bytes: usize = sizes[r.clone()].iter().sum();
-                if k + 1 < s.len() {
-                    // Every stretch but the last has at least `every` bytes, and no fewer chunks would do.
-                    assert!(bytes >= every);
-                    assert!(bytes - sizes[r.end - 1] < every);
-                }
-                at = r.end;
-            }
-            assert_eq!(at, n);
-        }
-        assert_eq!(write_stretches([8, 8, 8].into_iter(), 8), vec![0..1, 1..2, 2..3]);
-        assert_eq!(write_stretches([1, 1, 1, 1, 1].into_iter(), 2), vec![0..2, 2..4, 4..5]);
-        assert!(write_stretches(std::iter::empty(), 8).is_empty());
-    }
-
-    #[test]
-    fn same_runs_split_where_neighbours_differ() {
-        assert_eq!(same_runs(&[]), Vec::<std::ops::Range<usize>>::new());
-        assert_eq!(same_runs(&[7]), vec![0..1]);
-        assert_eq!(same_runs(&[3, 3, 4, 4, 4, 3]), vec![0..2, 2..5, 5..6]);
     }
 
     #[test]

@@ -547,18 +547,15 @@ impl CudaIpcTransport {
         if pool.block_bytes != bb as u64 || pool.layer_bases.len() != self.memory.geometry().num_layers() as usize {
             return Err("the sender's pool has another layout than this one".into());
         }
-        if batch.last().is_some_and(|r| r.written.is_some()) {
-            // Written by the sender (the reader makes batches of one kind): verify each chunk behind
-            // the write event the sender recorded behind it.
-            let after = batch
-                .iter()
-                .map(|r| r.written.and_then(|k| pool.sender_events.get(k as usize).copied()).ok_or("an unknown write event"))
-                .collect::<std::result::Result<Vec<u64>, _>>()?;
+        if let Some(event) = batch.last().and_then(|r| r.written) {
+            // Written by the sender (the reader makes batches of one kind): verify behind the
+            // batch's last write event, which follows every earlier write on the sender's stream.
+            let after = *pool.sender_events.get(event as usize).ok_or("an unknown write event")?;
             let dsts: Vec<Blocks<'_>> =
                 batch.iter().map(|r| Blocks { base: self.memory.layer_base(r.dst_layer) as u64, num_blocks: self.memory.num_blocks(), ids: &r.dst_ids }).collect();
             let corrupt = batch.iter().position(|r| r.corrupt);
             let slot = lock(&self.pulls.free_slots).pop().ok_or("no free pull slot")?;
-            let pull = match self.device.verify_written(slot, &dsts, bb, corrupt, &after) {
+            let pull = match self.device.verify_written(slot, &dsts, bb, corrupt, after) {
                 Ok(p) => p,
                 Err(e) => {
                     lock(&self.pulls.free_slots).push(slot);
@@ -855,14 +852,13 @@ impl IpcLink {
         if guard.is_none() {
             return Err(self.state.err("link closed"));
         }
-        // The write event behind each granted payload, in order.
-        let mut written = match &self.dest {
-            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => self.write_granted(dest, &messages)?.into_iter(),
-            _ => Vec::new().into_iter(),
+        let written = match &self.dest {
+            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => Some(self.write_granted(dest, &messages)?),
+            _ => None,
         };
         let mut out = Vec::new();
         for (header, payload) in messages {
-            let w = if payload.dest().is_some() { written.next() } else { None };
+            let w = written.filter(|_| payload.dest().is_some());
             let body = self.encode(&header, payload, w)?;
             if body.len() > MAX_MESSAGE {
                 return Err(Error::Invalid(format!("a cuda-ipc control message of {} bytes", body.len())));
@@ -879,8 +875,8 @@ impl IpcLink {
     }
 
     /// Writes the granted payloads of `messages` into the receiver's pool `dest` (one batch of
-    /// copies on the device's write stream); returns the write event behind each, in order.
-    fn write_granted(&self, dest: &PeerPool, messages: &[(Vec<u8>, Payload)]) -> Result<Vec<usize>> {
+    /// copies on the device's write stream); returns the write event behind them.
+    fn write_granted(&self, dest: &PeerPool, messages: &[(Vec<u8>, Payload)]) -> Result<usize> {
         let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
         let bad = |why: &str| Error::Invalid(format!("cuda-ipc write: {why}"));
         let mut located = Vec::new();
