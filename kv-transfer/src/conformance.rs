@@ -141,6 +141,7 @@ impl Suite {
             transfer_timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(5),
             sums_follow: self.sums_follow,
+            ..ConnectorConfig::default()
         }
     }
 

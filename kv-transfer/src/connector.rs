@@ -31,6 +31,9 @@ pub struct ConnectorConfig {
     /// after (`ChunkUnsummed`, then `Sums`), as a device pool's always does. Off by default: a host
     /// pool's sender sums each chunk before announcing it. (The conformance suite runs both ways.)
     pub sums_follow: bool,
+    /// How long a receiver waits for a direct-writing sender's `Stopped` after fencing a failed
+    /// transfer before it closes that link (and waits for the link's quiesce instead).
+    pub fence_wait: Duration,
 }
 
 impl Default for ConnectorConfig {
@@ -40,6 +43,7 @@ impl Default for ConnectorConfig {
             transfer_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             sums_follow: false,
+            fence_wait: Duration::from_secs(10),
         }
     }
 }

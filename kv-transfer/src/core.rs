@@ -24,7 +24,7 @@ use tokio::task::AbortHandle;
 use crate::connector::{ConnectorConfig, Metrics, TransferDescriptor};
 use crate::device::{Blocks, DeviceKv};
 use crate::error::{Error, Result};
-use crate::frame::{self, AbortCode, ChunkHeader, Frame, PROTOCOL_VERSION};
+use crate::frame::{self, AbortCode, ChunkHeader, Frame, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use crate::handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};
 use crate::memory::{Claim, Iov, KvMemory, MemoryKind};
 use crate::transport::{Delivery, Inbox, Landed, Link, Payload, Transport};
@@ -61,6 +61,8 @@ fn checksum_iovs(iovs: &[Iov]) -> u64 {
 
 struct RxLink {
     link: Arc<dyn Link>,
+    /// Its sender writes our blocks itself: transfers are granted to it and fenced.
+    direct: bool,
 }
 
 /// A decoded `Start` frame's fields.
@@ -99,6 +101,12 @@ struct RxTransfer {
     started: Option<Instant>,
     bytes: u64,
     timer: Option<AbortHandle>,
+    /// Direct-writing links this transfer was granted to.
+    granted_to: HashSet<u64>,
+    /// Once the transfer failed: the direct-writing links whose `Stopped` (or quiesce, once gone)
+    /// it still waits for before its blocks are released (`None`: not failed yet).
+    fence_wait: Option<HashSet<u64>>,
+    fence_timer: Option<AbortHandle>,
 }
 
 /// A chunk on its way in.
@@ -119,6 +127,8 @@ struct Rx {
     /// or is about to get, the real verdict; an "unexpected chunk" reply racing it would mislead).
     ended: HashSet<u64>,
     ended_order: VecDeque<u64>,
+    /// Direct-writing links that closed and whose quiesce has not finished.
+    gone: HashSet<u64>,
 }
 
 /// How many ended transfer ids the receiver remembers.
@@ -157,6 +167,31 @@ struct Tx {
     links: HashMap<u64, Arc<OutLink>>,
     /// (link id, transfer id) → the sender task waiting for the receiver's verdict.
     pending: HashMap<(u64, u64), oneshot::Sender<Result<()>>>,
+    /// (link id, transfer id) of the sender tasks linked and not yet ended.
+    active: HashSet<(u64, u64)>,
+    /// Transfers a direct-writing link's receiver granted (see `Frame::Grant`), with the
+    /// destination blocks' hash and the content binding it granted them for.
+    grants: HashMap<(u64, u64), (u64, u64)>,
+    /// Transfers a direct-writing link's receiver fenced: never written or started on that link
+    /// again (the newest `FENCED_MEMORY`).
+    fenced: HashSet<(u64, u64)>,
+    fenced_order: VecDeque<(u64, u64)>,
+}
+
+/// How many fenced transfers a sender remembers.
+const FENCED_MEMORY: usize = 4096;
+
+impl Tx {
+    fn remember_fenced(&mut self, key: (u64, u64)) {
+        if self.fenced.insert(key) {
+            self.fenced_order.push_back(key);
+        }
+        while self.fenced_order.len() > FENCED_MEMORY {
+            if let Some(old) = self.fenced_order.pop_front() {
+                self.fenced.remove(&old);
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -184,6 +219,8 @@ pub(crate) struct Core {
     tx: Mutex<Tx>,
     counters: Counters,
     closed: AtomicBool,
+    /// Woken whenever a sender task ends (a fence waits for the task of its transfer).
+    job_ended: tokio::sync::Notify,
     me: Weak<Core>,
 }
 
@@ -205,6 +242,7 @@ impl Core {
             tx: Mutex::new(Tx::default()),
             counters: Counters::default(),
             closed: AtomicBool::new(false),
+            job_ended: tokio::sync::Notify::new(),
             me: me.clone(),
         }))
     }
@@ -256,12 +294,27 @@ impl Core {
     }
 
     /// Sends frames from a spawned task (never under a lock); `close` closes the link afterwards.
+    /// Sends `replies`: one task per link, each link's frames in the order given (an `Abort` must
+    /// reach its sender before the `Fence` behind it, or the sender would hear "fenced" instead of
+    /// why).
     fn reply(&self, replies: Replies) {
+        /// A link and its frames to send, each with whether to close the link after it.
+        type Queue = (Arc<dyn Link>, Vec<(Frame, bool)>);
+        let mut by_link: Vec<Queue> = Vec::new();
         for (link, frame, close) in replies {
+            match by_link.iter_mut().find(|(l, _)| l.id() == link.id()) {
+                Some((_, frames)) => frames.push((frame, close)),
+                None => by_link.push((link, vec![(frame, close)])),
+            }
+        }
+        for (link, frames) in by_link {
             self.rt.spawn(async move {
-                let _ = link.send(frame.encode(), Payload::empty()).await;
-                if close {
-                    link.close();
+                for (frame, close) in frames {
+                    let _ = link.send(frame.encode(), Payload::empty()).await;
+                    if close {
+                        link.close();
+                        break;
+                    }
                 }
             });
         }
@@ -306,9 +359,22 @@ impl Core {
             started: None,
             bytes: 0,
             timer: None,
+            granted_to: HashSet::new(),
+            fence_wait: None,
+            fence_timer: None,
         };
         // Registered before the timer starts, so even a zero timeout finds the transfer to expire.
         rx.transfers.insert(id, transfer);
+        // Direct-writing senders may write this transfer's blocks from now on (the grant is out
+        // before the descriptor is returned, let alone sent to a sender).
+        let direct: Vec<(u64, Arc<dyn Link>)> = rx.links.iter().filter(|(_, l)| l.direct).map(|(&lid, l)| (lid, Arc::clone(&l.link))).collect();
+        let mut grants = Vec::new();
+        if let Some(t) = rx.transfers.get_mut(&id) {
+            for (lid, link) in direct {
+                t.granted_to.insert(lid);
+                grants.push((link, Frame::Grant { id, blocks_hash: t.blocks_hash, binding: t.binding }, false));
+            }
+        }
         let me = self.me.clone();
         let timer = self.rt.spawn(async move {
             tokio::time::sleep(timeout).await;
@@ -320,6 +386,7 @@ impl Core {
             t.timer = Some(timer.abort_handle());
         }
         drop(rx);
+        self.reply(grants);
         Ok(RecvHandle { descriptor, progress: progress_rx, core: self.me.clone() })
     }
 
@@ -336,13 +403,40 @@ impl Core {
         while t.pending.front().is_some_and(|p| p.landed.is_some()) {
             t.pending.pop_front();
         }
-        if !t.pending.is_empty() {
+        // A failed transfer's blocks may still be written by the direct-writing senders it was
+        // granted to: fence each (a gone one is waited for through its quiesce).
+        if outcome.is_err() && t.fence_wait.is_none() {
+            let mut wait = HashSet::new();
+            for &lid in &t.granted_to {
+                if let Some(l) = rx.links.get(&lid) {
+                    replies.push((Arc::clone(&l.link), Frame::Fence { id }, false));
+                    wait.insert(lid);
+                } else if rx.gone.contains(&lid) {
+                    wait.insert(lid);
+                }
+            }
+            if !wait.is_empty() {
+                let (me, after) = (self.me.clone(), self.config.fence_wait);
+                let timer = self.rt.spawn(async move {
+                    tokio::time::sleep(after).await;
+                    if let Some(core) = me.upgrade() {
+                        core.rx_fence_expired(id);
+                    }
+                });
+                t.fence_timer = Some(timer.abort_handle());
+            }
+            t.fence_wait = Some(wait);
+        }
+        if !t.pending.is_empty() || t.fence_wait.as_ref().is_some_and(|w| !w.is_empty()) {
             if let Err(e) = outcome {
                 t.doomed.get_or_insert(e);
             }
             return;
         }
         let mut t = rx.transfers.remove(&id).expect("present");
+        if let Some(timer) = t.fence_timer.take() {
+            timer.abort();
+        }
         rx.remember_ended(id);
         if let Some(timer) = t.timer.take() {
             timer.abort();
@@ -409,6 +503,59 @@ impl Core {
         }
     }
 
+    /// A fenced transfer's senders did not all answer in time: close their links and wait for their
+    /// quiesce instead.
+    fn rx_fence_expired(&self, id: u64) {
+        let silent: Vec<Arc<dyn Link>> = {
+            let rx = lock(&self.rx);
+            let Some(wait) = rx.transfers.get(&id).and_then(|t| t.fence_wait.as_ref()) else { return };
+            wait.iter().filter_map(|lid| rx.links.get(lid)).map(|l| Arc::clone(&l.link)).collect()
+        };
+        for link in silent {
+            tracing::warn!(id, peer = link.peer(), "KV transfer fence unanswered: closing the link");
+            link.close();
+            self.rx_link_gone(link);
+        }
+    }
+
+    /// A direct-writing link is gone (closed by its peer or by us): its transfers end (the caller
+    /// fails those that came over it) and every fence waiting for it waits for its quiesce.
+    fn rx_link_gone(&self, link: Arc<dyn Link>) {
+        let lid = link.id();
+        {
+            let mut rx = lock(&self.rx);
+            rx.links.remove(&lid);
+            rx.gone.insert(lid);
+        }
+        let me = self.me.clone();
+        self.rt.spawn(async move {
+            link.quiesce().await;
+            if let Some(core) = me.upgrade() {
+                core.rx_quiesced(lid);
+            }
+        });
+    }
+
+    /// Nothing link `lid`'s peer started can land any more: the fences waiting for it are answered.
+    fn rx_quiesced(&self, lid: u64) {
+        let mut replies = Vec::new();
+        {
+            let mut rx = lock(&self.rx);
+            rx.gone.remove(&lid);
+            let mut waiting = Vec::new();
+            for (&id, t) in rx.transfers.iter_mut() {
+                t.granted_to.remove(&lid);
+                if t.fence_wait.as_mut().is_some_and(|w| w.remove(&lid)) {
+                    waiting.push(id);
+                }
+            }
+            for id in waiting {
+                self.rx_settle(&mut rx, id, &mut replies);
+            }
+        }
+        self.reply(replies);
+    }
+
     fn rx_message(&self, link: &Arc<dyn Link>, frame: Frame, payload_len: u64) -> Delivery {
         let mut replies = Vec::new();
         let delivery = {
@@ -420,8 +567,8 @@ impl Core {
                 match frame {
                     Frame::Hello { .. } if known => Delivery::CloseLink("second hello on a link".into()),
                     Frame::Hello { version, geometry } => {
-                        let verdict = if version != PROTOCOL_VERSION {
-                            Err(format!("protocol version: receiver speaks {PROTOCOL_VERSION}, sender {version}"))
+                        let verdict = if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
+                            Err(format!("protocol version: receiver speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}, sender {version}"))
                         } else {
                             self.memory
                                 .geometry()
@@ -430,8 +577,17 @@ impl Core {
                         };
                         match verdict {
                             Ok(()) => {
-                                rx.links.insert(link.id(), RxLink { link: Arc::clone(link) });
-                                replies.push((Arc::clone(link), Frame::HelloAck { version: PROTOCOL_VERSION }, false));
+                                // (Grants and fences are protocol 4: an older sender's link gets none.)
+                                let direct = link.writes_directly() && version >= 4;
+                                rx.links.insert(link.id(), RxLink { link: Arc::clone(link), direct });
+                                replies.push((Arc::clone(link), Frame::HelloAck { version }, false));
+                                if direct {
+                                    // Every transfer still expected may come over this new link.
+                                    for (&id, t) in rx.transfers.iter_mut().filter(|(_, t)| t.fence_wait.is_none()) {
+                                        t.granted_to.insert(link.id());
+                                        replies.push((Arc::clone(link), Frame::Grant { id, blocks_hash: t.blocks_hash, binding: t.binding }, false));
+                                    }
+                                }
                             }
                             Err(reason) => {
                                 tracing::warn!(peer = link.peer(), %reason, "KV handshake refused");
@@ -465,7 +621,16 @@ impl Core {
                         }
                         Delivery::Discard
                     }
-                    Frame::HelloAck { .. } | Frame::HelloReject { .. } | Frame::Done { .. } => {
+                    Frame::Stopped { id } => {
+                        // A direct-writing sender confirms a fence: the transfer may end once every
+                        // link it waits for did.
+                        let lid = link.id();
+                        if rx.transfers.get_mut(&id).and_then(|t| t.fence_wait.as_mut()).is_some_and(|w| w.remove(&lid)) {
+                            self.rx_settle(&mut rx, id, &mut replies);
+                        }
+                        Delivery::Discard
+                    }
+                    Frame::HelloAck { .. } | Frame::HelloReject { .. } | Frame::Done { .. } | Frame::Grant { .. } | Frame::Fence { .. } => {
                         Delivery::CloseLink("reply frame on an incoming link".into())
                     }
                 }
@@ -813,10 +978,12 @@ impl Core {
         *lock(&out.last_active) = Instant::now();
         match frame {
             Frame::HelloAck { version } => {
-                let verdict = if version == PROTOCOL_VERSION {
+                // The receiver answers with the version the link speaks: ours, or an older one we
+                // still speak (a newer receiver answering an older sender's hello).
+                let verdict = if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
                     Ok(())
                 } else {
-                    Err(Error::Incompatible(format!("protocol version: sender speaks {PROTOCOL_VERSION}, receiver {version}")))
+                    Err(Error::Incompatible(format!("protocol version: sender speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}, receiver {version}")))
                 };
                 if let Some(tx) = lock(&out.hello).take() {
                     let _ = tx.send(verdict);
@@ -846,7 +1013,45 @@ impl Core {
                 }
                 Delivery::Discard
             }
-            Frame::Hello { .. } | Frame::Start { .. } | Frame::Chunk(_) | Frame::ChunkUnsummed(_) | Frame::Sums { .. } => {
+            Frame::Grant { id, blocks_hash, binding } => {
+                // (A grant that lost a race with its transfer's fence grants nothing.)
+                let mut tx = lock(&self.tx);
+                if !tx.fenced.contains(&(link_id, id)) {
+                    tx.grants.insert((link_id, id), (blocks_hash, binding));
+                }
+                Delivery::Discard
+            }
+            Frame::Fence { id } => {
+                let key = (link_id, id);
+                {
+                    let mut tx = lock(&self.tx);
+                    tx.grants.remove(&key);
+                    tx.remember_fenced(key);
+                    if let Some(w) = tx.pending.remove(&key) {
+                        let _ = w.send(Err(Error::Rejected { id, reason: "the receiver fenced the transfer".into() }));
+                    }
+                }
+                // Once the transfer's task made its last transport call and the transport's writes
+                // landed, confirm.
+                let (me, link) = (self.me.clone(), Arc::clone(&out.link));
+                self.rt.spawn(async move {
+                    let Some(core) = me.upgrade() else { return };
+                    loop {
+                        let ended = core.job_ended.notified();
+                        tokio::pin!(ended);
+                        ended.as_mut().enable();
+                        if !lock(&core.tx).active.contains(&key) {
+                            break;
+                        }
+                        ended.await;
+                    }
+                    if link.drain().await.is_ok() {
+                        let _ = link.send(Frame::Stopped { id }.encode(), Payload::empty()).await;
+                    }
+                });
+                Delivery::Discard
+            }
+            Frame::Hello { .. } | Frame::Start { .. } | Frame::Chunk(_) | Frame::ChunkUnsummed(_) | Frame::Sums { .. } | Frame::Stopped { .. } => {
                 Delivery::CloseLink("sender-side frame on an outgoing link".into())
             }
         }
@@ -881,6 +1086,7 @@ impl Core {
                 if let Some(t) = rx.transfers.get_mut(&id) {
                     t.pending.clear(); // the transport has stopped: nothing writes any more
                     t.doomed = None;
+                    t.fence_wait = Some(HashSet::new()); // nor can a sender: no fence
                 }
                 self.rx_end(&mut rx, id, Err(Error::Shutdown), None, &mut replies);
             }
@@ -932,9 +1138,14 @@ impl Inbox for Core {
                         let _ = w.send(Err(err.clone()));
                     }
                 }
+                tx.grants.retain(|k, _| k.0 != link_id);
             }
         }
-        // Receiver side: fail every transfer that came over it.
+        // Receiver side: fail every transfer that came over it (after marking a direct-writing link
+        // gone, so those transfers, and the fences already waiting for it, wait for its quiesce).
+        if lock(&self.rx).links.get(&link_id).is_some_and(|l| l.direct) {
+            self.rx_link_gone(Arc::clone(link));
+        }
         let mut replies = Vec::new();
         {
             let mut rx = lock(&self.rx);
@@ -981,7 +1192,13 @@ impl SendJob {
         };
         let core = Arc::clone(&self.core);
         if let Some(link) = &linked {
-            lock(&core.tx).pending.remove(&(link.id(), id));
+            {
+                let mut tx = lock(&core.tx);
+                tx.pending.remove(&(link.id(), id));
+                tx.active.remove(&(link.id(), id));
+                tx.grants.remove(&(link.id(), id));
+            }
+            core.job_ended.notify_waiters();
             let code = match &outcome {
                 Err(Error::Cancelled { by: "sender", .. }) => Some(AbortCode::Cancelled),
                 Err(Error::Timeout { .. }) => Some(AbortCode::Timeout),
@@ -1033,7 +1250,16 @@ impl SendJob {
         let link = Arc::clone(&out.link);
         crate::transport::kv_trace!("tx {:x} linked", desc.id);
         let (done_tx, mut done_rx) = oneshot::channel();
-        lock(&core.tx).pending.insert((link.id(), desc.id), done_tx);
+        {
+            let mut tx = lock(&core.tx);
+            let key = (link.id(), desc.id);
+            if tx.fenced.contains(&key) {
+                // The receiver gave this transfer up before it started here: nothing may be written.
+                return Err(Error::Rejected { id: desc.id, reason: "the receiver fenced the transfer".into() });
+            }
+            tx.pending.insert(key, done_tx);
+            tx.active.insert(key);
+        }
         *linked = Some(Arc::clone(&link));
         if out.dead.load(Ordering::Acquire) {
             return Err(Error::LinkFailed { peer: link.peer().to_string(), reason: "link closed".into() });
@@ -1092,6 +1318,12 @@ impl SendJob {
                 // `Sums` frame follows), which keeps the checksum off the bytes' path; host pools
                 // (unless `sums_follow`) and the pacing hook sum each chunk before announcing it.
                 let later = (core.device.is_some() || core.config.sums_follow) && delay.is_none();
+                // Whether the receiver granted this transfer to this link (checked per group: a
+                // fence revokes it).
+                // Only for the blocks and the content the receiver expects: what it would refuse at
+                // `Start` is never written into its pool.
+                let granted = link.writes_directly()
+                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 for part in chunks.chunks(step) {
                     let sums = if later {
                         None
@@ -1116,7 +1348,13 @@ impl SendJob {
                         };
                         let frame = if sums.is_some() { Frame::Chunk(header) } else { Frame::ChunkUnsummed(header) };
                         let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
-                        batch.push((frame.encode(), Payload::new(memory.iovs(l, blocks), hold)));
+                        let mut payload = Payload::new(memory.iovs(l, blocks), hold);
+                        if granted {
+                            // The receiver granted this transfer: the link writes its blocks itself.
+                            let dest = crate::transport::Dest { layer: l, blocks: desc.dst_blocks[first..first + count].to_vec() };
+                            payload = payload.with_dest(dest);
+                        }
+                        batch.push((frame.encode(), payload));
                         if delay.is_none() && i + 1 < part.len() {
                             continue;
                         }
@@ -1422,5 +1660,269 @@ mod tests {
         core.on_payload(&link, first, landed(1));
         assert!(matches!(recv.progress().state, TransferState::Failed(Error::Integrity { .. })));
         assert_eq!(core.memory().claimed_blocks(), 0);
+    }
+
+    // ------------------------------------------------------------ direct-writing links (protocol 4)
+
+    /// A link whose sender writes the receiver's blocks itself: records frames, counts drains, and
+    /// quiesces only when the test says so.
+    struct Direct {
+        id: u64,
+        frames: Mutex<Vec<Frame>>,
+        closed: AtomicBool,
+        drains: AtomicUsize,
+        quiet: tokio::sync::Semaphore,
+    }
+
+    impl Direct {
+        fn new(id: u64) -> Arc<Direct> {
+            Arc::new(Direct { id, frames: Mutex::new(Vec::new()), closed: AtomicBool::new(false), drains: AtomicUsize::new(0), quiet: tokio::sync::Semaphore::new(0) })
+        }
+        /// Waits (bounded) until `pred` holds for the frames sent so far (replies go out from tasks).
+        async fn sent(&self, pred: impl Fn(&[Frame]) -> bool) {
+            for _ in 0..2000 {
+                if pred(&lock(&self.frames)) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            panic!("never sent; frames: {:?}", lock(&self.frames));
+        }
+    }
+
+    impl Link for Direct {
+        fn id(&self) -> u64 {
+            self.id
+        }
+        fn peer(&self) -> &str {
+            "direct"
+        }
+        fn send(&self, header: Vec<u8>, _payload: Payload) -> BoxFuture<'_, Result<()>> {
+            lock(&self.frames).push(Frame::decode(&header).expect("valid frames"));
+            Box::pin(async { Ok(()) })
+        }
+        fn close(&self) {
+            self.closed.store(true, Ordering::Release);
+        }
+        fn writes_directly(&self) -> bool {
+            true
+        }
+        fn drain(&self) -> BoxFuture<'_, Result<()>> {
+            self.drains.fetch_add(1, Ordering::AcqRel);
+            Box::pin(async { Ok(()) })
+        }
+        fn quiesce(&self) -> BoxFuture<'_, ()> {
+            Box::pin(async {
+                let _ = self.quiet.acquire().await;
+            })
+        }
+    }
+
+    fn receiver(config: ConnectorConfig) -> Arc<Core> {
+        Core::new(KvMemory::host(geometry(), 16).expect("pool"), config, Handle::current()).expect("core")
+    }
+
+    fn handshake(core: &Core, link: &Arc<dyn Link>) {
+        let hello = Frame::Hello { version: PROTOCOL_VERSION, geometry: geometry() };
+        assert!(matches!(core.on_message(link, &hello.encode(), 0), Delivery::Discard));
+    }
+
+    fn granted(frames: &[Frame], id: u64) -> bool {
+        frames.iter().any(|f| matches!(f, Frame::Grant { id: g, .. } if *g == id))
+    }
+
+    #[tokio::test]
+    async fn direct_writing_links_are_granted_every_expected_transfer() {
+        let core = receiver(ConnectorConfig::default());
+        let early = core.expect(vec![1], 5, Duration::from_secs(30)).expect("expect");
+        let direct = Direct::new(3);
+        let link: Arc<dyn Link> = Arc::clone(&direct) as Arc<dyn Link>;
+        handshake(&core, &link);
+        // A transfer expected before the link came is granted at its handshake ...
+        let id = early.descriptor().id;
+        direct.sent(|f| granted(f, id)).await;
+        // ... one expected after it, at once.
+        let late = core.expect(vec![2], 5, Duration::from_secs(30)).expect("expect");
+        let id = late.descriptor().id;
+        direct.sent(|f| granted(f, id)).await;
+        // A link that does not write directly is granted nothing.
+        let (core, _link, recorder, recv) = expecting(&[1]);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!granted(&lock(&recorder.frames), recv.descriptor().id));
+        drop(core);
+    }
+
+    #[tokio::test]
+    async fn an_older_sender_is_answered_in_its_version_and_granted_nothing() {
+        let core = receiver(ConnectorConfig::default());
+        let recv = core.expect(vec![1], 5, Duration::from_secs(30)).expect("expect");
+        let id = recv.descriptor().id;
+        // A protocol 3 sender on a link that could write directly: it speaks 3, so no grants.
+        let old = Direct::new(3);
+        let link: Arc<dyn Link> = Arc::clone(&old) as Arc<dyn Link>;
+        let hello = Frame::Hello { version: 3, geometry: geometry() };
+        assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
+        old.sent(|f| f.contains(&Frame::HelloAck { version: 3 })).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!granted(&lock(&old.frames), id), "a protocol 3 link was granted a transfer");
+        // Versions outside what this build speaks are refused.
+        for version in [MIN_PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1] {
+            let l = Direct::new(10 + u64::from(version));
+            let link: Arc<dyn Link> = Arc::clone(&l) as Arc<dyn Link>;
+            let hello = Frame::Hello { version, geometry: geometry() };
+            assert!(matches!(core.on_message(&link, &hello.encode(), 0), Delivery::Discard));
+            l.sent(|f| f.iter().any(|f| matches!(f, Frame::HelloReject { reason } if reason.contains("protocol version")))).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sender_accepts_an_answer_in_any_version_it_speaks() {
+        for (version, ok) in [(MIN_PROTOCOL_VERSION, true), (PROTOCOL_VERSION, true), (MIN_PROTOCOL_VERSION - 1, false), (PROTOCOL_VERSION + 1, false)] {
+            let d = Direct::new(3);
+            let link: Arc<dyn Link> = Arc::clone(&d) as Arc<dyn Link>;
+            let core = sender_with(&link);
+            let out = lock(&core.tx).links.get(&3).cloned().expect("linked");
+            let (tx, rx) = oneshot::channel();
+            *lock(&out.hello) = Some(tx);
+            assert!(matches!(core.on_message(&link, &Frame::HelloAck { version }.encode(), 0), Delivery::Discard));
+            assert_eq!(rx.await.expect("a verdict").is_ok(), ok, "version {version}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_transfer_keeps_its_blocks_until_every_granted_sender_stopped() {
+        let core = receiver(ConnectorConfig::default());
+        let (a, b) = (Direct::new(3), Direct::new(4));
+        let (la, lb): (Arc<dyn Link>, Arc<dyn Link>) = (Arc::clone(&a) as Arc<dyn Link>, Arc::clone(&b) as Arc<dyn Link>);
+        handshake(&core, &la);
+        handshake(&core, &lb);
+        let recv = core.expect(vec![1, 2], 5, Duration::from_secs(30)).expect("expect");
+        let id = recv.descriptor().id;
+        core.rx_cancel(id);
+        // Both links are fenced; the blocks stay claimed and the handle shows no verdict.
+        a.sent(|f| f.contains(&Frame::Fence { id })).await;
+        b.sent(|f| f.contains(&Frame::Fence { id })).await;
+        assert!(!recv.progress().is_terminal());
+        assert_eq!(core.memory().claimed_blocks(), 2);
+        // A `Stopped` from a link never fenced changes nothing; from one fenced, that one is done.
+        let other = Direct::new(9);
+        let lo: Arc<dyn Link> = Arc::clone(&other) as Arc<dyn Link>;
+        handshake(&core, &lo);
+        assert!(matches!(core.on_message(&lo, &Frame::Stopped { id }.encode(), 0), Delivery::Discard));
+        assert!(matches!(core.on_message(&la, &Frame::Stopped { id }.encode(), 0), Delivery::Discard));
+        assert!(!recv.progress().is_terminal());
+        assert_eq!(core.memory().claimed_blocks(), 2);
+        assert!(matches!(core.on_message(&lb, &Frame::Stopped { id }.encode(), 0), Delivery::Discard));
+        assert!(matches!(recv.progress().state, TransferState::Failed(Error::Cancelled { by: "receiver", .. })));
+        assert_eq!(core.memory().claimed_blocks(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_fenced_link_that_goes_away_is_waited_for_through_its_quiesce() {
+        let core = receiver(ConnectorConfig::default());
+        let a = Direct::new(3);
+        let la: Arc<dyn Link> = Arc::clone(&a) as Arc<dyn Link>;
+        handshake(&core, &la);
+        let recv = core.expect(vec![1], 5, Duration::from_secs(30)).expect("expect");
+        let id = recv.descriptor().id;
+        let start = Frame::Start { id, num_blocks: 1, blocks_hash: frame::blocks_hash(&[1]), binding: 5 };
+        assert!(matches!(core.on_message(&la, &start.encode(), 0), Delivery::Discard));
+        // The link dies mid-transfer: the transfer fails, but its block stays claimed while the
+        // dead peer's writes may still land.
+        core.on_link_closed(&la, "peer died".into());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!recv.progress().is_terminal());
+        assert_eq!(core.memory().claimed_blocks(), 1);
+        a.quiet.add_permits(1);
+        for _ in 0..1000 {
+            if recv.progress().is_terminal() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(matches!(recv.progress().state, TransferState::Failed(Error::LinkFailed { .. })));
+        assert_eq!(core.memory().claimed_blocks(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_unanswered_fence_closes_the_link_and_waits_for_its_quiesce() {
+        let core = receiver(ConnectorConfig { fence_wait: Duration::from_millis(30), ..ConnectorConfig::default() });
+        let a = Direct::new(3);
+        let la: Arc<dyn Link> = Arc::clone(&a) as Arc<dyn Link>;
+        handshake(&core, &la);
+        let recv = core.expect(vec![1], 5, Duration::from_secs(30)).expect("expect");
+        let id = recv.descriptor().id;
+        core.rx_cancel(id);
+        for _ in 0..1000 {
+            if a.closed.load(Ordering::Acquire) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(a.closed.load(Ordering::Acquire), "the silent link was not closed");
+        assert!(!recv.progress().is_terminal());
+        a.quiet.add_permits(1);
+        for _ in 0..1000 {
+            if recv.progress().is_terminal() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(recv.progress().is_terminal());
+        assert_eq!(core.memory().claimed_blocks(), 0);
+    }
+
+    #[tokio::test]
+    async fn shutdown_does_not_wait_for_fences() {
+        let core = receiver(ConnectorConfig::default());
+        let a = Direct::new(3);
+        let la: Arc<dyn Link> = Arc::clone(&a) as Arc<dyn Link>;
+        handshake(&core, &la);
+        let recv = core.expect(vec![1], 5, Duration::from_secs(30)).expect("expect");
+        core.rx_cancel(recv.descriptor().id);
+        assert!(!recv.progress().is_terminal());
+        core.shutdown();
+        assert!(recv.progress().is_terminal());
+        assert_eq!(core.memory().claimed_blocks(), 0);
+    }
+
+    /// A sender core with one handshaken outgoing link `link`.
+    fn sender_with(link: &Arc<dyn Link>) -> Arc<Core> {
+        let core = receiver(ConnectorConfig::default());
+        let out = Arc::new(OutLink { link: Arc::clone(link), hello: Mutex::new(None), dead: AtomicBool::new(false), last_active: Mutex::new(Instant::now()) });
+        lock(&core.tx).links.insert(link.id(), out);
+        core
+    }
+
+    #[tokio::test]
+    async fn a_sender_answers_a_fence_after_its_task_ended_and_its_writes_drained() {
+        let d = Direct::new(3);
+        let link: Arc<dyn Link> = Arc::clone(&d) as Arc<dyn Link>;
+        let core = sender_with(&link);
+        let id = 77;
+        // A task of this transfer is running on the link.
+        let (done_tx, done_rx) = oneshot::channel();
+        {
+            let mut tx = lock(&core.tx);
+            tx.pending.insert((3, id), done_tx);
+            tx.active.insert((3, id));
+        }
+        let grant = Frame::Grant { id, blocks_hash: frame::blocks_hash(&[1]), binding: 5 };
+        assert!(matches!(core.on_message(&link, &grant.encode(), 0), Delivery::Discard));
+        assert!(lock(&core.tx).grants.contains_key(&(3, id)));
+        assert!(matches!(core.on_message(&link, &Frame::Fence { id }.encode(), 0), Delivery::Discard));
+        // The task hears the verdict; the grant is gone and a late one grants nothing.
+        assert!(matches!(done_rx.await, Ok(Err(Error::Rejected { .. }))));
+        assert!(!lock(&core.tx).grants.contains_key(&(3, id)));
+        assert!(matches!(core.on_message(&link, &grant.encode(), 0), Delivery::Discard));
+        assert!(!lock(&core.tx).grants.contains_key(&(3, id)));
+        // No `Stopped` while the task runs; one, after a drain, once it ended.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!lock(&d.frames).contains(&Frame::Stopped { id }));
+        lock(&core.tx).active.remove(&(3, id));
+        core.job_ended.notify_waiters();
+        d.sent(|f| f.contains(&Frame::Stopped { id })).await;
+        assert!(d.drains.load(Ordering::Acquire) >= 1);
+        assert!(lock(&core.tx).fenced.contains(&(3, id)), "a fenced transfer is remembered, so it never starts later");
     }
 }

@@ -98,6 +98,53 @@ pub(crate) struct DeviceKv {
     inner: Mutex<Inner>,
     /// The receiver's pipelined pulls (made on first use; only receivers of cuda-ipc pull).
     pull: Mutex<Option<Pull>>,
+    /// A sender's writes into receivers' pools (made on first use; cuda-ipc senders that write).
+    writer: Mutex<Option<Writer>>,
+}
+
+/// How many interprocess events a writing sender records in turn (one per batch of writes).
+pub(crate) const WRITE_EVENTS: usize = 64;
+
+/// A sender's write lane: a stream of its GPU on which its copies into receivers' pools run, and a
+/// ring of interprocess events recorded behind them, which receivers wait on before verifying.
+/// (Re-recording an event only makes a later waiter wait longer: one stream, in order.)
+///
+/// Each interprocess event has a plain twin recorded at the same point, for receivers in this same
+/// process: the driver (580, H100) crashes in `cuStreamWaitEvent` when a stream of another GPU
+/// waits on an interprocess event of the process that made it, and refuses to open the handle of
+/// an event of its own process; a plain event may be waited on from any GPU.
+struct Writer {
+    // Events before the stream (drop order).
+    events: Vec<RawEvent>,
+    local: Vec<RawEvent>,
+    stream: Arc<CudaStream>,
+    next: usize,
+}
+
+/// A CUDA event made with raw flags (interprocess events need two of them), destroyed on drop.
+pub(crate) struct RawEvent(pub(crate) cudarc::driver::sys::CUevent);
+
+// SAFETY: a CUevent handle may be used from any thread (the driver API is thread-safe).
+unsafe impl Send for RawEvent {}
+// SAFETY: as above.
+unsafe impl Sync for RawEvent {}
+
+impl Drop for RawEvent {
+    fn drop(&mut self) {
+        // SAFETY: the event was created (or opened) by this process and is destroyed once.
+        unsafe {
+            let _ = cudarc::driver::sys::cuEventDestroy_v2(self.0);
+        }
+    }
+}
+
+/// What a receiver needs to wait on one of a sender's write events: its interprocess handle, and
+/// the address of its plain twin in the sender's process (used as it is by a receiver in that same
+/// process; see [`Writer`]).
+#[derive(Clone, Copy)]
+pub(crate) struct WriteEvent {
+    pub(crate) handle: [u8; 64],
+    pub(crate) raw: u64,
 }
 
 /// Block ids a checksum call's staging holds at least.
@@ -152,7 +199,86 @@ impl DeviceKv {
         let ids = stream.alloc_zeros::<u32>(2 * crate::MAX_CHUNK_BLOCKS as usize).map_err(|e| gpu_err("allocating block ids", e))?;
         let sum = stream.alloc_zeros::<u64>(1).map_err(|e| gpu_err("allocating the checksum", e))?;
         let table = stream.alloc_zeros::<u64>(64).map_err(|e| gpu_err("allocating the segment table", e))?;
-        Ok(DeviceKv { gpu, inner: Mutex::new(Inner { staging: None, stream, ids, table, sum }), pull: Mutex::new(None) })
+        Ok(DeviceKv { gpu, inner: Mutex::new(Inner { staging: None, stream, ids, table, sum }), pull: Mutex::new(None), writer: Mutex::new(None) })
+    }
+
+    fn with_writer<T>(&self, f: impl FnOnce(&mut Writer) -> Result<T>) -> Result<T> {
+        let mut guard = lock(&self.writer);
+        if guard.is_none() {
+            let ctx = self.context();
+            ctx.bind_to_thread().map_err(err("binding the context"))?;
+            let stream = ctx.new_stream().map_err(err("creating the write stream"))?;
+            let make = |flags: u32| -> Result<RawEvent> {
+                let mut ev: cudarc::driver::sys::CUevent = std::ptr::null_mut();
+                // SAFETY: `ev` is a valid out slot; the context is bound above.
+                unsafe { cudarc::driver::sys::cuEventCreate(&mut ev, flags) }.result().map_err(err("creating the write events"))?;
+                Ok(RawEvent(ev))
+            };
+            let no_timing = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            let ipc = no_timing | cudarc::driver::sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
+            let events = (0..WRITE_EVENTS).map(|_| make(ipc)).collect::<Result<Vec<_>>>()?;
+            let local = (0..WRITE_EVENTS).map(|_| make(no_timing)).collect::<Result<Vec<_>>>()?;
+            *guard = Some(Writer { events, local, stream, next: 0 });
+        }
+        f(guard.as_mut().expect("made above"))
+    }
+
+    /// This sender's write events, for the hello of a link that writes (made on first use).
+    pub(crate) fn write_events(&self) -> Result<Vec<WriteEvent>> {
+        self.with_writer(|w| {
+            w.events
+                .iter()
+                .zip(&w.local)
+                .map(|(e, twin)| {
+                    let mut h = cudarc::driver::sys::CUipcEventHandle { reserved: [0; 64] };
+                    // SAFETY: `e` is an interprocess event of this process; `h` a valid out slot.
+                    unsafe { cudarc::driver::sys::cuIpcGetEventHandle(&mut h, e.0) }.result().map_err(err("exporting a write event"))?;
+                    Ok(WriteEvent { handle: h.reserved.map(|b| b as u8), raw: twin.0 as u64 })
+                })
+                .collect()
+        })
+    }
+
+    /// Enqueues the copies of `chunks` — `(source blocks in this connector's pool, destination
+    /// blocks in a receiver's pool as this GPU addresses it)` — on the write stream, one copy per
+    /// contiguous run (the copy engines; peer copies when the receiver's pool is on another GPU),
+    /// records the next write event behind them and returns its index. The caller holds the source
+    /// blocks until the receiver acknowledged them, and writes only blocks the receiver granted.
+    pub(crate) fn write(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize) -> Result<usize> {
+        let in_range =
+            chunks.iter().all(|(src, dst)| src.ids.len() == dst.ids.len() && src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
+        if !in_range {
+            return Err(Error::Invalid("a write of blocks outside a pool".into()));
+        }
+        let runs = engine_runs(chunks.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes);
+        self.with_writer(|w| {
+            w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
+            for &(dst, src, bytes) in &runs {
+                // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by the
+                // transfer until the receiver acknowledged it), `dst` one of the receiver's pool as
+                // this context addresses it (its blocks granted to this transfer); both checked
+                // against their arrays' extents above; stream-ordered on the write stream.
+                unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
+                    .result()
+                    .map_err(err("writing KV blocks into the receiver's pool"))?;
+            }
+            let k = w.next;
+            w.next = (w.next + 1) % w.events.len();
+            // SAFETY: the events and the stream belong to this context.
+            unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+            // SAFETY: as above.
+            unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+            crate::transport::kv_trace!("write of {} chunks ({} copies) enqueued, event {k}", chunks.len(), runs.len());
+            Ok(k)
+        })
+    }
+
+    /// Waits until every write enqueued so far has landed.
+    pub(crate) fn drain_writes(&self) -> Result<()> {
+        match lock(&self.writer).as_ref() {
+            Some(w) => w.stream.synchronize().map_err(err("draining the writes")),
+            None => Ok(()),
+        }
     }
 
     /// The CUDA context of the transfer stream.
@@ -259,7 +385,32 @@ impl DeviceKv {
         corrupt: Option<usize>,
         push: Option<PushFrom<'_>>,
     ) -> Result<PullEvent> {
-        self.pull_with(None, slot, chunks, block_bytes, corrupt, push)
+        self.pull_with(None, slot, chunks, block_bytes, corrupt, push, None)
+    }
+
+    /// Enqueues, in pull slot `slot`, the verification of `dsts` (blocks of this connector's pool)
+    /// that a sender wrote itself, behind `after` (the sender's write event, opened in this
+    /// process): the sums reach host memory when the slot's event completes, as for a pull.
+    pub(crate) fn verify_written(&self, slot: usize, dsts: &[Blocks<'_>], block_bytes: usize, corrupt: Option<usize>, after: u64) -> Result<PullEvent> {
+        let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = dsts.iter().map(|d| (*d, *d)).collect();
+        self.pull_with(None, slot, &chunks, block_bytes, corrupt, None, Some(after))
+    }
+
+    /// Enqueues, in pull slot `slot`, the verification of `dsts` (blocks of this connector's pool
+    /// that something else wrote, e.g. an NCCL receive) on `stream` (of this GPU) behind `after`;
+    /// `corrupt` (the integrity test hook) flips a byte of that chunk first. The sums reach host
+    /// memory when the slot's event completes, as for a pull.
+    pub(crate) fn verify_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        after: &cudarc::driver::CudaEvent,
+        slot: usize,
+        dsts: &[Blocks<'_>],
+        block_bytes: usize,
+        corrupt: Option<usize>,
+    ) -> Result<PullEvent> {
+        let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = dsts.iter().map(|d| (*d, *d)).collect();
+        self.pull_with(Some((stream, after)), slot, &chunks, block_bytes, corrupt, None, Some(after.cu_event() as u64))
     }
 
     /// A pull as [`DeviceKv::pull`] makes it (no push), enqueued on `stream` (of this GPU) behind
@@ -275,7 +426,7 @@ impl DeviceKv {
         block_bytes: usize,
         corrupt: Option<usize>,
     ) -> Result<PullEvent> {
-        self.pull_with(Some((stream, after)), slot, chunks, block_bytes, corrupt, None)
+        self.pull_with(Some((stream, after)), slot, chunks, block_bytes, corrupt, None, None)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -287,6 +438,7 @@ impl DeviceKv {
         block_bytes: usize,
         corrupt: Option<usize>,
         push: Option<PushFrom<'_>>,
+        written: Option<u64>,
     ) -> Result<PullEvent> {
         let total: usize = chunks.iter().map(|(s, _)| s.ids.len()).sum();
         let bad = chunks.is_empty()
@@ -313,7 +465,7 @@ impl DeviceKv {
             }
             None => Arc::clone(&p.stream),
         };
-        let r = self.enqueue_pull(p, &s, slot, chunks, total, block_bytes, corrupt, push);
+        let r = self.enqueue_pull(p, &s, slot, chunks, total, block_bytes, corrupt, push, written);
         if r.is_err() {
             // Some of the batch may be enqueued already, reading this slot's staging or writing the
             // destination (a push's copies, on a source GPU's lane): let it run out before the slot
@@ -337,6 +489,7 @@ impl DeviceKv {
         block_bytes: usize,
         corrupt: Option<usize>,
         push: Option<PushFrom<'_>>,
+        written: Option<u64>,
     ) -> Result<PullEvent> {
         // The raw driver calls below act on the thread's current context: make it the pool's GPU's
         // (a thread may have worked for a connector of another GPU just before).
@@ -484,7 +637,18 @@ impl DeviceKv {
             Ok(())
         };
         let slot_sums = |range: &std::ops::Range<usize>| slot * PULL_BATCH + range.start..slot * PULL_BATCH + range.end;
-        if pushed {
+        if let Some(ev) = written {
+            // The sender wrote the blocks itself: verify them behind its write event.
+            // SAFETY: `ev` is a live event of this process (the sender's, or opened from its
+            // handle; the link keeps it); the stream is this context's.
+            unsafe { cudarc::driver::sys::cuStreamWaitEvent(stream, ev as cudarc::driver::sys::CUevent, 0) }
+                .result()
+                .map_err(err("waiting for the sender's writes"))?;
+            for (g, range) in groups.iter().enumerate() {
+                corrupt_in(range)?;
+                verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
+            }
+        } else if pushed {
             // Each group's verification behind its copies' event on the source GPU's lane.
             let lane = p.lanes.get(&push.as_ref().expect("pushed").device).expect("made above");
             for (g, range) in groups.iter().enumerate() {
@@ -493,7 +657,7 @@ impl DeviceKv {
                 verify_group(g, range, p.sums.slice_mut(slot_sums(range)))?;
             }
         }
-        if !pushed {
+        if !pushed && written.is_none() {
             let copy = KvSegments {
                 segments: &segments,
                 table: table.slice(0..tl),

@@ -21,9 +21,14 @@ fn xxh3_64(bytes: &[u8]) -> u64 {
 
 use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
 
-/// Protocol version spoken by this build; the handshake refuses any other. (3: chunks announced
-/// before their checksum, `ChunkUnsummed` and `Sums`.)
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Newest protocol version spoken by this build. (3: chunks announced before their checksum,
+/// `ChunkUnsummed` and `Sums`; 4: `Grant`, `Fence` and `Stopped`, for links whose sender writes the
+/// receiver's blocks itself.)
+pub const PROTOCOL_VERSION: u16 = 4;
+/// Oldest protocol version this build still speaks: a receiver answers a sender's `Hello` of any
+/// version from this one to [`PROTOCOL_VERSION`] with that version (which the link then speaks), so
+/// senders of the previous release keep working during a rolling upgrade; anything else is refused.
+pub const MIN_PROTOCOL_VERSION: u16 = 3;
 /// Most checksums in one [`Frame::Sums`].
 pub const MAX_SUMS: usize = 256;
 /// Largest encoded frame header (matches `TANDEM_KV_MAX_HEADER` in the C header).
@@ -141,6 +146,31 @@ pub enum Frame {
         /// Transfer id.
         id: u64,
     },
+    /// Receiver → sender, on a link whose sender writes the receiver's blocks itself
+    /// ([`crate::transport::Link::writes_directly`]): transfer `id` is expected here; the sender may
+    /// write its destination blocks directly (protocol 4) — only if its own `Start` would carry
+    /// these `blocks_hash` and `binding` (content the receiver would refuse is never written).
+    Grant {
+        /// Transfer id.
+        id: u64,
+        /// [`blocks_hash`] of the destination blocks the receiver expects.
+        blocks_hash: u64,
+        /// The content binding the receiver expects.
+        binding: u64,
+    },
+    /// Receiver → sender, on such a link: transfer `id` ended here unsuccessfully; write nothing more
+    /// for it, now or later, and answer [`Frame::Stopped`] once every write made has landed
+    /// (protocol 4).
+    Fence {
+        /// Transfer id.
+        id: u64,
+    },
+    /// Sender → receiver: the answer to [`Frame::Fence`]: nothing more will be written for `id` and
+    /// everything written for it has landed (protocol 4).
+    Stopped {
+        /// Transfer id.
+        id: u64,
+    },
     /// Either way: transfer `id` is over, unsuccessfully.
     Abort {
         /// Transfer id.
@@ -196,6 +226,9 @@ fn kind_of(frame: &Frame) -> u8 {
         Frame::Abort { .. } => 7,
         Frame::ChunkUnsummed(_) => 8,
         Frame::Sums { .. } => 9,
+        Frame::Grant { .. } => 10,
+        Frame::Fence { .. } => 11,
+        Frame::Stopped { .. } => 12,
     }
 }
 
@@ -232,6 +265,11 @@ impl Frame {
             }
             Frame::HelloAck { version } => body.extend_from_slice(&version.to_le_bytes()),
             Frame::HelloReject { reason } => put_str(&mut body, reason),
+            Frame::Grant { id, blocks_hash, binding } => {
+                body.extend_from_slice(&id.to_le_bytes());
+                body.extend_from_slice(&blocks_hash.to_le_bytes());
+                body.extend_from_slice(&binding.to_le_bytes());
+            }
             Frame::Start { id, num_blocks, blocks_hash, binding } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.extend_from_slice(&num_blocks.to_le_bytes());
@@ -246,7 +284,7 @@ impl Frame {
                 body.extend_from_slice(&c.byte_len.to_le_bytes());
                 body.extend_from_slice(&c.checksum.to_le_bytes());
             }
-            Frame::Done { id } => body.extend_from_slice(&id.to_le_bytes()),
+            Frame::Done { id } | Frame::Fence { id } | Frame::Stopped { id } => body.extend_from_slice(&id.to_le_bytes()),
             Frame::Sums { id, sums } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.extend_from_slice(&(sums.len() as u16).to_le_bytes());
@@ -347,6 +385,9 @@ impl Frame {
                 Frame::Sums { id, sums }
             }
             6 => Frame::Done { id: r.u64()? },
+            10 => Frame::Grant { id: r.u64()?, blocks_hash: r.u64()?, binding: r.u64()? },
+            11 => Frame::Fence { id: r.u64()? },
+            12 => Frame::Stopped { id: r.u64()? },
             7 => {
                 let id = r.u64()?;
                 let code = AbortCode::from_code(r.u8()?).ok_or_else(|| FrameError("unknown abort code".into()))?;
@@ -419,6 +460,9 @@ mod tests {
             Frame::Sums { id: 9, sums: vec![1, u64::MAX, 0x0123_4567_89ab_cdef] },
             Frame::Done { id: u64::MAX },
             Frame::Abort { id: 1, code: AbortCode::Integrity, reason: "checksum ✗".into() },
+            Frame::Grant { id: 0x0bad_cafe, blocks_hash: blocks_hash(&[4, 5]), binding: 0x0123_4567 },
+            Frame::Fence { id: 0x0bad_cafe },
+            Frame::Stopped { id: 0x0bad_cafe },
         ]
     }
 

@@ -56,7 +56,7 @@ impl Progress {
         Progress { layers: 0, bytes: 0, state: TransferState::Pending }
     }
 
-    fn is_terminal(&self) -> bool {
+    pub(crate) fn is_terminal(&self) -> bool {
         !matches!(self.state, TransferState::Pending)
     }
 }

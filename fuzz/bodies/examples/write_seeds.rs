@@ -76,6 +76,9 @@ fn kv_frame() -> Res<()> {
         ("chunk-unsummed", Frame::ChunkUnsummed(ChunkHeader { checksum: 0, ..chunk })),
         ("sums", Frame::Sums { id: 7, sums: vec![chunk.checksum, 1, u64::MAX] }),
         ("done", Frame::Done { id: 7 }),
+        ("grant", Frame::Grant { id: 7, blocks_hash: 0x5eed, binding: 0x0b1d }),
+        ("fence", Frame::Fence { id: 7 }),
+        ("stopped", Frame::Stopped { id: 7 }),
         ("abort", Frame::Abort { id: 7, code: AbortCode::Timeout, reason: "deadline passed".into() }),
         // The encoder cuts reasons to its limit: these are the longest reasons it emits.
         ("hello-reject-long", Frame::HelloReject { reason: "r".repeat(5000) }),

@@ -38,7 +38,7 @@ use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -70,7 +70,7 @@ const HANDSHAKE: Duration = Duration::from_secs(5);
 /// How long `shutdown` waits for running pulls (kernels of a few milliseconds) before giving up.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 const MAX_MESSAGE: usize = 64 * 1024;
-const VERSION: u16 = 3;
+const VERSION: u16 = 4;
 
 /// Sender → receiver: version, host, and the sender's pool.
 const K_HELLO: u8 = 1;
@@ -84,6 +84,24 @@ const K_PULLED: u8 = 5;
 
 /// Flag bit in a payload message: the test hook asks the receiver to corrupt this chunk.
 const MSG_CORRUPT: u8 = 1;
+/// Flag bit in a payload message: the sender wrote the payload into the receiver's blocks itself
+/// (the message names those blocks and the sender's write event to wait on).
+const MSG_WRITTEN: u8 = 2;
+
+/// Whether senders write granted transfers into receivers' pools themselves
+/// (`TANDEM_KV_NO_SENDER_WRITES=1` keeps the receiver-driven moves, for comparing the two).
+fn sender_writes_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NO_SENDER_WRITES").is_none())
+}
+
+/// After a writing link closed, how long its sender may take to notice before its last writes are
+/// waited for (a sender stops enqueuing writes once it sees the link closed).
+const WRITE_GRACE: Duration = Duration::from_millis(200);
+/// How long, after that grace, a closed writing link's events are polled before its transfers'
+/// blocks are released regardless (a copy of a few GiB takes milliseconds; an event a dying
+/// process recorded may never complete).
+const QUIESCE_WAIT: Duration = Duration::from_secs(5);
 
 /// This host's identity (its boot), so an endpoint names the host it lives on.
 fn host_key() -> u64 {
@@ -110,6 +128,12 @@ struct PeerPool {
     block_bytes: u64,
     /// The pool on another GPU whose copy engines can write ours: pulls are pushes from there.
     push: Option<PushSource>,
+    /// The peer process.
+    pid: u32,
+    /// Receiver side of a link whose sender writes: the sender's write events as this process
+    /// addresses them (raw `CUevent`s), and those opened from handles (destroyed with the pool).
+    sender_events: Vec<u64>,
+    _opened_events: Vec<crate::device::RawEvent>,
 }
 
 /// A sender's pool as that GPU's own context in this process addresses it (a second mapping, opened
@@ -226,6 +250,8 @@ struct PullReq {
     dst_layer: u32,
     dst_ids: Vec<u32>,
     corrupt: bool,
+    /// The sender wrote it itself, behind its write event of this index.
+    written: Option<u32>,
 }
 
 impl CudaIpcTransport {
@@ -338,17 +364,23 @@ impl CudaIpcTransport {
                 } else if host != self.host {
                     Err("the sender is on another host: CUDA IPC works within one host only".to_string())
                 } else {
-                    self.open_pool(&body[10..])
+                    self.open_pool(&body[10..], true).and_then(|(pool, rest)| self.open_write_events(pool, rest))
                 }
             }
             _ => return, // no handshake in time, or garbage: just close
         };
         match verdict {
             Ok(pool) => {
-                if write_message(&mut stream, K_OK, &[]).await.is_err() {
+                // A sender that offers write events writes granted transfers itself: it gets our pool.
+                let writes = !pool.sender_events.is_empty();
+                if writes {
+                    tracing::info!(sender_pid = pool.pid, "cuda-ipc: the sender writes granted transfers into our pool itself");
+                }
+                let ok = if writes { self.pool_message.clone() } else { Vec::new() };
+                if write_message(&mut stream, K_OK, &ok).await.is_err() {
                     return;
                 }
-                self.adopt(stream, "cuda-ipc peer".into(), Some(Arc::new(pool)));
+                self.adopt(stream, "cuda-ipc peer".into(), Some(Arc::new(pool)), None, writes);
             }
             Err(reason) => {
                 let _ = write_message(&mut stream, K_REFUSE, reason.as_bytes()).await;
@@ -356,8 +388,45 @@ impl CudaIpcTransport {
         }
     }
 
-    /// `pool`: the sender's pool on the receiving side, `None` on the sending side.
-    fn adopt(&self, stream: UnixStream, peer: String, pool: Option<Arc<PeerPool>>) -> Arc<IpcLink> {
+    /// The hello's write events (after the sender's pool): a count, then each event's handle and
+    /// its address in the sender's process; opened here unless the sender is this process.
+    fn open_write_events(&self, mut pool: PeerPool, rest: &[u8]) -> std::result::Result<PeerPool, String> {
+        let mut r = Cursor { buf: rest };
+        let n = r.u32()? as usize;
+        if n > 1024 {
+            return Err(format!("{n} write events"));
+        }
+        if !sender_writes_enabled() {
+            return Ok(pool);
+        }
+        let ctx = self.device.context();
+        ctx.bind_to_thread().map_err(|e| format!("binding the context: {e}"))?;
+        for _ in 0..n {
+            let mut handle = cudarc::driver::sys::CUipcEventHandle { reserved: [0; 64] };
+            for slot in handle.reserved.iter_mut() {
+                *slot = r.u8()? as _;
+            }
+            let raw = r.u64()?;
+            if pool.pid == std::process::id() {
+                pool.sender_events.push(raw);
+            } else {
+                let mut ev: cudarc::driver::sys::CUevent = std::ptr::null_mut();
+                // SAFETY: `ev` is a valid out slot; `handle` came from the sender's
+                // cuIpcGetEventHandle (a bad one is an error, not undefined behaviour).
+                unsafe { cudarc::driver::sys::cuIpcOpenEventHandle(&mut ev, handle) }
+                    .result()
+                    .map_err(|e| format!("opening the sender's write event (cuIpcOpenEventHandle): {e}"))?;
+                pool.sender_events.push(ev as u64);
+                pool._opened_events.push(crate::device::RawEvent(ev));
+            }
+        }
+        Ok(pool)
+    }
+
+    /// `pool`: the sender's pool on the receiving side, `None` on the sending side; `dest`: the
+    /// receiver's pool as this sender writes it (sender side, when the receiver accepted writes);
+    /// `writes`: the sender writes our blocks itself (receiving side).
+    fn adopt(&self, stream: UnixStream, peer: String, pool: Option<Arc<PeerPool>>, dest: Option<Arc<PeerPool>>, writes: bool) -> Arc<IpcLink> {
         let (rd, wr) = stream.into_split();
         let (state, closed_rx) = LinkState::new(peer);
         let link = Arc::new(IpcLink {
@@ -365,6 +434,8 @@ impl CudaIpcTransport {
             writer: tokio::sync::Mutex::new(Some(wr)),
             state,
             pool,
+            dest,
+            writes,
             held: Mutex::new(VecDeque::new()),
             next_seq: AtomicU64::new(1),
             in_flight: watch::Sender::new(InFlight::default()),
@@ -380,7 +451,9 @@ impl CudaIpcTransport {
     }
 
     /// Opens the sender's pool from its `K_HELLO` message, checking its layout against ours.
-    fn open_pool(&self, body: &[u8]) -> std::result::Result<PeerPool, String> {
+    /// With `pushes`, a sender's pool (its GPU may push into ours); without, a receiver's pool that
+    /// this sender writes. Returns the pool and the rest of the message.
+    fn open_pool<'b>(&self, body: &'b [u8], pushes: bool) -> std::result::Result<(PeerPool, &'b [u8]), String> {
         let mut r = Cursor { buf: body };
         let pid = r.u32()?;
         let mut handle = [0u8; 64];
@@ -415,7 +488,7 @@ impl CudaIpcTransport {
             let local = lock(local_pools()).get(&base).and_then(Weak::upgrade).ok_or("the sender's pool is gone")?;
             let theirs = crate::device::device_of(own, base).map_err(|e| e.to_string())?;
             crate::device::enable_peer_access(own, theirs).map_err(|e| e.to_string())?;
-            let push = pusher(theirs, own, || Ok((None, base)));
+            let push = if pushes { pusher(theirs, own, || Ok((None, base))) } else { None };
             (None, Some(local), base, push)
         } else {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
@@ -424,6 +497,7 @@ impl CudaIpcTransport {
             // Which of our GPUs the pool lies on: the one with the UUID the sender named (a
             // mapping's device attribute does not say).
             let push = match crate::device::ordinal_of(&uuid) {
+                _ if !pushes => None,
                 Ok(theirs) => pusher(theirs, own, || {
                     let ctx = crate::device::context(theirs).map_err(|e| e.to_string())?;
                     let m = tandem_kernels::cuda::IpcMapping::open(&ctx, &handle).map_err(|e| e.to_string())?;
@@ -438,7 +512,21 @@ impl CudaIpcTransport {
             (Some(m), None, p, push)
         };
         let push = push.map(|(device, mapping, at)| PushSource { device, layer_bases: offsets.iter().map(|o| at + o).collect(), _mapping: mapping });
-        Ok(PeerPool { _mapping: mapping, _local: local, layer_bases: offsets.iter().map(|o| mapped + o).collect(), num_blocks, block_bytes, push })
+        let rest = r.buf;
+        Ok((
+            PeerPool {
+                _mapping: mapping,
+                _local: local,
+                layer_bases: offsets.iter().map(|o| mapped + o).collect(),
+                num_blocks,
+                block_bytes,
+                push,
+                pid,
+                sender_events: Vec::new(),
+                _opened_events: Vec::new(),
+            },
+            rest,
+        ))
     }
 
     /// Enqueues a batch of announced chunks as one pull; the completion thread reports it. On
@@ -458,6 +546,24 @@ impl CudaIpcTransport {
         let bb = self.memory.geometry().block_bytes();
         if pool.block_bytes != bb as u64 || pool.layer_bases.len() != self.memory.geometry().num_layers() as usize {
             return Err("the sender's pool has another layout than this one".into());
+        }
+        if let Some(event) = batch.last().and_then(|r| r.written) {
+            // Written by the sender (the reader makes batches of one kind): verify behind the
+            // batch's last write event, which follows every earlier write on the sender's stream.
+            let after = *pool.sender_events.get(event as usize).ok_or("an unknown write event")?;
+            let dsts: Vec<Blocks<'_>> =
+                batch.iter().map(|r| Blocks { base: self.memory.layer_base(r.dst_layer) as u64, num_blocks: self.memory.num_blocks(), ids: &r.dst_ids }).collect();
+            let corrupt = batch.iter().position(|r| r.corrupt);
+            let slot = lock(&self.pulls.free_slots).pop().ok_or("no free pull slot")?;
+            let pull = match self.device.verify_written(slot, &dsts, bb, corrupt, after) {
+                Ok(p) => p,
+                Err(e) => {
+                    lock(&self.pulls.free_slots).push(slot);
+                    return Err(e.to_string());
+                }
+            };
+            super::kv_trace!("ipc verification of {} written chunks enqueued", batch.len());
+            return self.submit(link, pool, batch, slot, pull, permit);
         }
         let mut chunks = Vec::with_capacity(batch.len());
         for r in batch {
@@ -481,8 +587,13 @@ impl CudaIpcTransport {
                 return Err(e.to_string());
             }
         };
-        let seq = batch.last().map_or(0, |r| r.seq);
         super::kv_trace!("ipc batch of {} enqueued", batch.len());
+        self.submit(link, pool, batch, slot, pull, permit)
+    }
+
+    /// Hands an enqueued batch to the completion thread (or, after shutdown, reports it here).
+    fn submit(&self, link: &Arc<IpcLink>, pool: &Arc<PeerPool>, batch: &[PullReq], slot: usize, pull: PullEvent, permit: OwnedSemaphorePermit) -> std::result::Result<(), String> {
+        let seq = batch.last().map_or(0, |r| r.seq);
         *lock(&self.pulls.running) += 1;
         link.in_flight.send_modify(|f| {
             f.running += 1;
@@ -568,17 +679,35 @@ impl Transport for CudaIpcTransport {
             let mut hello = VERSION.to_le_bytes().to_vec();
             hello.extend_from_slice(&self.host.to_le_bytes());
             hello.extend_from_slice(&self.pool_message);
+            // The events a receiver waits on before verifying what this sender wrote itself (none:
+            // the receiver moves every payload).
+            let events = if sender_writes_enabled() { self.device.write_events()? } else { Vec::new() };
+            hello.extend_from_slice(&(events.len() as u32).to_le_bytes());
+            for e in &events {
+                hello.extend_from_slice(&e.handle);
+                hello.extend_from_slice(&e.raw.to_le_bytes());
+            }
             write_message(&mut stream, K_HELLO, &hello).await.map_err(|e| unreachable(e.to_string()))?;
             let reply = tokio::time::timeout(HANDSHAKE, read_message(&mut stream))
                 .await
                 .map_err(|_| unreachable("no cuda-ipc handshake reply".into()))?
                 .map_err(|e| unreachable(e.to_string()))?;
-            match reply {
-                (K_OK, _) => {}
+            let dest = match reply {
+                (K_OK, body) if body.is_empty() => None,
+                // The receiver's pool, which this sender writes granted transfers into.
+                (K_OK, body) => Some(Arc::new(self.open_pool(&body, false).map_err(Error::Incompatible)?.0)),
                 (K_REFUSE, body) => return Err(Error::Incompatible(String::from_utf8_lossy(&body).into_owned())),
                 (k, _) => return Err(unreachable(format!("unexpected handshake message {k}"))),
+            };
+            // A pool of another layout is never written: the connectors' handshake refuses it, with
+            // the geometry that differs (writes also check every block against the pool's extent).
+            let dest = dest.filter(|d| {
+                d.block_bytes == self.memory.geometry().block_bytes() as u64 && d.layer_bases.len() == self.memory.geometry().num_layers() as usize
+            });
+            if dest.is_some() {
+                tracing::info!(%endpoint, "cuda-ipc: writing granted transfers into the receiver's pool");
             }
-            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), None);
+            let link: Arc<dyn Link> = self.adopt(stream, endpoint.to_string(), None, dest, false);
             Ok(link)
         })
     }
@@ -631,6 +760,11 @@ struct IpcLink {
     state: LinkState,
     /// Receiver side: the sender's pool, open; `None` on the sending side.
     pool: Option<Arc<PeerPool>>,
+    /// Sender side: the receiver's pool as this process addresses it, when the receiver accepted
+    /// that this sender writes granted transfers itself.
+    dest: Option<Arc<PeerPool>>,
+    /// Receiver side: the sender writes granted transfers into our pool itself.
+    writes: bool,
     /// Sender side: payloads the receiver may still be reading, by sequence number.
     held: Mutex<VecDeque<(u64, Payload)>>,
     next_seq: AtomicU64,
@@ -665,9 +799,24 @@ impl IpcLink {
 
     /// The `K_MSG` body of one message (sender side): with a payload, where its blocks lie, then the
     /// header. The payload is held until the receiver acknowledges the pull.
-    fn encode(&self, header: &[u8], payload: Payload) -> Result<Vec<u8>> {
+    fn encode(&self, header: &[u8], payload: Payload, written: Option<usize>) -> Result<Vec<u8>> {
         let mut msg = payload.len().to_le_bytes().to_vec();
-        if !payload.is_empty() {
+        if let (Some(event), Some(dest)) = (written, payload.dest()) {
+            // Written here already: the message names the receiver's blocks and the write event.
+            let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
+            let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            let n = transport.sent.fetch_add(1, Ordering::Relaxed) + 1;
+            let corrupt = transport.corrupt_every.is_some_and(|k| n.is_multiple_of(k));
+            msg.extend_from_slice(&seq.to_le_bytes());
+            msg.push(MSG_WRITTEN | if corrupt { MSG_CORRUPT } else { 0 });
+            msg.extend_from_slice(&dest.layer.to_le_bytes());
+            msg.extend_from_slice(&(dest.blocks.len() as u32).to_le_bytes());
+            for id in &dest.blocks {
+                msg.extend_from_slice(&id.to_le_bytes());
+            }
+            msg.extend_from_slice(&(event as u32).to_le_bytes());
+            lock(&self.held).push_back((seq, payload));
+        } else if !payload.is_empty() {
             let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
             if self.pool.is_some() {
                 return Err(Error::Unsupported { backend: "cuda-ipc".into(), what: "payloads from the accepting side".into() });
@@ -694,11 +843,23 @@ impl IpcLink {
         Ok(msg)
     }
 
-    /// Messages (sender side), written at once; returns once they are written.
+    /// Messages (sender side), written at once; returns once they are written. Payloads the
+    /// receiver granted are first written into its pool here (one write event for the batch), when
+    /// the link writes.
     async fn send_messages(&self, messages: Vec<(Vec<u8>, Payload)>) -> Result<()> {
+        // Held from before the writes to after the announcement: a link seen closed writes nothing.
+        let mut guard = self.writer.lock().await;
+        if guard.is_none() {
+            return Err(self.state.err("link closed"));
+        }
+        let written = match &self.dest {
+            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => Some(self.write_granted(dest, &messages)?),
+            _ => None,
+        };
         let mut out = Vec::new();
         for (header, payload) in messages {
-            let body = self.encode(&header, payload)?;
+            let w = written.filter(|_| payload.dest().is_some());
+            let body = self.encode(&header, payload, w)?;
             if body.len() > MAX_MESSAGE {
                 return Err(Error::Invalid(format!("a cuda-ipc control message of {} bytes", body.len())));
             }
@@ -706,12 +867,39 @@ impl IpcLink {
             out.extend_from_slice(&(body.len() as u32).to_le_bytes());
             out.extend_from_slice(&body);
         }
-        let mut guard = self.writer.lock().await;
         let Some(wr) = guard.as_mut() else { return Err(self.state.err("link closed")) };
         let mut torn = self.state.torn_guard();
         wr.write_all(&out).await.map_err(|e| self.state.err(e.to_string()))?;
         torn.disarm();
         Ok(())
+    }
+
+    /// Writes the granted payloads of `messages` into the receiver's pool `dest` (one batch of
+    /// copies on the device's write stream); returns the write event behind them.
+    fn write_granted(&self, dest: &PeerPool, messages: &[(Vec<u8>, Payload)]) -> Result<usize> {
+        let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
+        let bad = |why: &str| Error::Invalid(format!("cuda-ipc write: {why}"));
+        let mut located = Vec::new();
+        for (_, payload) in messages {
+            let Some(d) = payload.dest() else { continue };
+            let (layer, ids) =
+                transport.memory.blocks_of(payload.iovs()).ok_or_else(|| bad("the payload is not whole blocks of one layer of the pool"))?;
+            let base = *dest.layer_bases.get(d.layer as usize).ok_or_else(|| bad("a destination layer out of range"))?;
+            if ids.len() != d.blocks.len() {
+                return Err(bad("a destination of another length than its payload"));
+            }
+            located.push((layer, ids, base, d));
+        }
+        let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = located
+            .iter()
+            .map(|(layer, ids, base, d)| {
+                (
+                    Blocks { base: transport.memory.layer_base(*layer) as u64, num_blocks: transport.memory.num_blocks(), ids },
+                    Blocks { base: *base, num_blocks: dest.num_blocks, ids: &d.blocks },
+                )
+            })
+            .collect();
+        transport.device.write(&chunks, transport.memory.geometry().block_bytes())
     }
 
     /// A control message from the receiving side (acknowledgements).
@@ -741,6 +929,53 @@ impl Link for IpcLink {
 
     fn close(&self) {
         self.state.close();
+    }
+
+    fn writes_directly(&self) -> bool {
+        self.dest.is_some() || self.writes
+    }
+
+    fn drain(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let Some(t) = self.transport.upgrade() else { return Ok(()) };
+            tokio::task::spawn_blocking(move || t.device.drain_writes()).await.map_err(|e| Error::Device(format!("draining the writes: {e}")))?
+        })
+    }
+
+    fn quiesce(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            // The sender stops writing once it sees the link closed; then its last writes are
+            // waited for through its events (those of a process that ended are over).
+            tokio::time::sleep(WRITE_GRACE).await;
+            let (Some(pool), Some(t)) = (self.pool.clone(), self.transport.upgrade()) else { return };
+            let self_peer = self.state.peer().to_string();
+            if pool.pid == std::process::id() {
+                // A sender in this process owns its events and may have destroyed them with its
+                // connector: the grace above is all (same-process pairs are benches and tests).
+                return;
+            }
+            let _ = tokio::task::spawn_blocking(move || {
+                use cudarc::driver::sys::{CUevent, CUresult, cuEventQuery};
+                let _ = t.device.context().bind_to_thread();
+                // Polled, not synchronized: an event whose process died mid-record might never
+                // complete, and a quiesce must end (its transfer's blocks wait for it).
+                let since = Instant::now();
+                let mut left: Vec<u64> = pool.sender_events.clone();
+                while !left.is_empty() {
+                    // SAFETY: the events live as long as `pool` (held here).
+                    left.retain(|&ev| matches!(unsafe { cuEventQuery(ev as CUevent) }, CUresult::CUDA_ERROR_NOT_READY));
+                    if left.is_empty() {
+                        break;
+                    }
+                    if since.elapsed() > QUIESCE_WAIT {
+                        tracing::warn!(peer = self_peer, events = left.len(), "cuda-ipc: a closed link's sender writes did not finish; its blocks are released anyway");
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+            .await;
+        })
     }
 }
 
@@ -852,7 +1087,18 @@ impl Reader {
                 if n == 0 || n > crate::MAX_CHUNK_BLOCKS {
                     return Err(format!("a payload of {n} blocks"));
                 }
+                // (For a payload the sender wrote itself, these are the blocks it wrote, ours.)
                 let src_ids = (0..n).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>()?;
+                let written = if flags & MSG_WRITTEN != 0 {
+                    let event = r.u32()?;
+                    let known = self.link.pool.as_ref().is_some_and(|p| (event as usize) < p.sender_events.len());
+                    if !self.link.writes || !known {
+                        return Err("a payload written by a sender that does not write".into());
+                    }
+                    Some(event)
+                } else {
+                    None
+                };
                 let Some(t) = self.transport.upgrade() else { return Err("transport shut down".into()) };
                 match self.inbox.on_message(link, r.buf, payload_len) {
                     Delivery::CloseLink(reason) => Err(reason),
@@ -874,7 +1120,16 @@ impl Reader {
                             self.inbox.on_payload(link, token, Err("the destination is not the payload's blocks of one layer".into()));
                             return Err("unusable destination".into());
                         };
-                        batch.push(PullReq { token, seq, src_layer, src_ids, dst_layer, dst_ids, corrupt: flags & MSG_CORRUPT != 0 });
+                        if written.is_some() && (dst_layer != src_layer || dst_ids != src_ids) {
+                            // The sender wrote blocks other than those the transfer names here.
+                            self.inbox.on_payload(link, token, Err("the sender wrote other blocks than this receiver named".into()));
+                            return Err("a sender wrote blocks it was not given".into());
+                        }
+                        if batch.last().is_some_and(|b| b.written.is_some() != written.is_some()) {
+                            // Written payloads are verified, others moved: a batch is of one kind.
+                            self.flush(batch).await?;
+                        }
+                        batch.push(PullReq { token, seq, src_layer, src_ids, dst_layer, dst_ids, corrupt: flags & MSG_CORRUPT != 0, written });
                         Ok(())
                     }
                 }

@@ -113,17 +113,40 @@ impl Capabilities {
 pub struct Payload {
     iovs: Vec<Iov>,
     _hold: Option<Arc<dyn Send + Sync>>,
+    dest: Option<Dest>,
+}
+
+/// Where a payload goes in the receiver's pool, given to a link that writes directly when the
+/// receiver granted the transfer (see [`Link::writes_directly`]): the same blocks the receiver's
+/// inbox will name for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dest {
+    /// Layer of the receiver's pool.
+    pub layer: u32,
+    /// Block ids there, in the payload's order.
+    pub blocks: Vec<u32>,
 }
 
 impl Payload {
     /// No payload.
     pub fn empty() -> Payload {
-        Payload { iovs: Vec::new(), _hold: None }
+        Payload { iovs: Vec::new(), _hold: None, dest: None }
     }
 
     /// A payload over `iovs`, kept valid by `hold`.
     pub fn new(iovs: Vec<Iov>, hold: Arc<dyn Send + Sync>) -> Payload {
-        Payload { iovs, _hold: Some(hold) }
+        Payload { iovs, _hold: Some(hold), dest: None }
+    }
+
+    /// This payload, to be written directly into `dest` of the receiver's pool.
+    pub fn with_dest(mut self, dest: Dest) -> Payload {
+        self.dest = Some(dest);
+        self
+    }
+
+    /// Where the receiver granted this payload to be written, if it did.
+    pub fn dest(&self) -> Option<&Dest> {
+        self.dest.as_ref()
     }
 
     /// The pieces, in order.
@@ -163,6 +186,23 @@ pub trait Link: Send + Sync {
     }
     /// Closes the link; idempotent. Pending and later sends fail.
     fn close(&self);
+    /// Whether this link's sender writes payloads into the receiver's memory itself before it
+    /// announces them (one-sided writes: a CUDA IPC copy from the sender, an RDMA write). The
+    /// connector then grants each expected transfer on the link before the sender may write it, and
+    /// fences a transfer that ends unsuccessfully (`Fence`, answered by `Stopped`) before its blocks
+    /// are released; see docs/rfc-kv-sender-writes.md. Default: no.
+    fn writes_directly(&self) -> bool {
+        false
+    }
+    /// Sender side of a link that writes directly: resolves once every write made so far landed.
+    fn drain(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    /// Receiver side of a link that writes directly, once it closed: resolves once nothing its peer
+    /// started can still land in this process's memory.
+    fn quiesce(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
 }
 
 /// Where an incoming payload goes.

@@ -23,6 +23,13 @@
 //! the source blocks once gathered, the receiver's reports the chunks landed with their sums,
 //! which the connector core compares with the sender's before anything is reported.
 //!
+//! Control protocol v4 sends batches direct instead: one `ncclSend` per payload (one NCCL group),
+//! straight from the pool where its blocks are one run (the others alone are gathered into staging
+//! first), held until the sends ran; the receiver posts one `ncclRecv` per payload, in the same
+//! order and of the same lengths, straight into its blocks when every payload it wants has
+//! contiguous blocks (then only verifies them where they landed), else each at its place in a
+//! staging buffer, scattered as a staged batch. `TANDEM_KV_NCCL_STAGED=1` stages every batch.
+//!
 //! Endpoint: `nccl://HOST:PORT` (the control channel; NCCL's own bootstrap and data connections
 //! are NCCL's: `NCCL_SOCKET_IFNAME` and friends choose their interfaces).
 //!
@@ -38,11 +45,13 @@
 //!   link never holds up another).
 //! - A staging buffer is reused only behind events: a gather (scatter) waits for the last NCCL
 //!   operation on its buffer, an NCCL operation for the last gather (scatter) of its buffer.
-//! - NCCL only ever writes the staging buffers; destination blocks are written by the scatter
-//!   alone, and `on_payload` comes after it finished (after the communicator was aborted, if the
-//!   link closed meanwhile; should the work still not finish within `DRAIN`, the chunks are
-//!   reported failed and the pull slot is never reused), in delivery order; `on_link_closed`
-//!   after the last of them.
+//! - NCCL writes the staging buffers, and destination blocks only through a direct batch's
+//!   receives into the blocks the inbox gave its chunks; `on_payload` comes after the scatter (or,
+//!   received straight into the blocks, their verification) finished — a failure, after the
+//!   link's NCCL stream ran out, since a receive may still be writing the blocks — (after the
+//!   communicator was aborted, if the link closed meanwhile; should the work still not finish
+//!   within `DRAIN`, the chunks are reported failed and the pull slot is never reused), in
+//!   delivery order; `on_link_closed` after the last of them.
 //! - Every wait is bounded: communicator creation by `INIT` (60 s; NCCL's blocking creation cannot
 //!   be interrupted, so a peer that never joins leaves that thread behind), device work by the
 //!   link (closed at the transfer's deadline or when the peer goes; then its communicator is
@@ -76,7 +85,7 @@ mod wire;
 
 pub use ffi::library_version;
 use ffi::{Comm, DeviceBuffer, Dir, UniqueId};
-use wire::{Control, Side};
+use wire::{Control, Moved, Side};
 
 /// Where the control channel listens, what it advertises, and the integrity test hook.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,8 +129,19 @@ const STAGING_TARGET: usize = 64 << 20;
 const RANK_RECEIVER: i32 = 0;
 const RANK_SENDER: i32 = 1;
 
+/// Whether batches whose payloads are contiguous runs of blocks move straight between the pools
+/// (`TANDEM_KV_NCCL_STAGED=1` stages every batch, for comparing the two).
+fn direct_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NCCL_STAGED").is_none())
+}
+
 /// A chunk in a staging buffer: `(layer, block ids in the pool, first staging block)`.
 type StagedChunk = (u32, Vec<u32>, u32);
+
+/// A payload of a direct batch: `(layer, block ids in the pool, the run's device address)`, the
+/// address `None` when its blocks are not one run.
+type DirectPayload = (u32, Vec<u32>, Option<u64>);
 
 /// The NCCL transport; see the module doc.
 pub struct NcclTransport {
@@ -368,15 +388,12 @@ impl NcclTransport {
     /// from the start of a staging buffer; and which of them the corruption test hook picks.
     fn locate(&self, payloads: &[Payload]) -> std::result::Result<(Vec<StagedChunk>, Option<usize>), String> {
         let mut chunks = Vec::with_capacity(payloads.len());
-        let (mut at, mut corrupt) = (0usize, None);
-        for (i, payload) in payloads.iter().enumerate() {
+        let mut at = 0usize;
+        let corrupt = self.pick_corrupt(payloads.len());
+        for payload in payloads {
             let Some((layer, ids)) = self.memory.blocks_of(payload.iovs()) else {
                 return Err("a payload is not whole blocks of one layer of the pool".into());
             };
-            let n = self.staged.fetch_add(1, Ordering::Relaxed) + 1;
-            if self.corrupt_every.is_some_and(|k| n.is_multiple_of(k)) {
-                corrupt = Some(i);
-            }
             let count = ids.len();
             chunks.push((layer, ids, at as u32));
             at += count;
@@ -385,6 +402,29 @@ impl NcclTransport {
             return Err(format!("{at} blocks exceed a staging buffer"));
         }
         Ok((chunks, corrupt))
+    }
+
+    /// Which of a batch of `n` payloads the corruption test hook picks (at most one).
+    fn pick_corrupt(&self, n: usize) -> Option<usize> {
+        let mut corrupt = None;
+        for i in 0..n {
+            let k = self.staged.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.corrupt_every.is_some_and(|every| k.is_multiple_of(every)) {
+                corrupt = Some(i);
+            }
+        }
+        corrupt
+    }
+
+    /// Where each payload of a batch lies, for a direct batch: `(layer, block ids, device address
+    /// of the run)`, the address `None` when its blocks are not one run (it is gathered into
+    /// staging and sent from there). `None` (stage the batch): direct batches are off, or a payload
+    /// is not whole blocks of one layer (the staged path reports that).
+    fn direct_plan(&self, payloads: &[Payload]) -> Option<Vec<DirectPayload>> {
+        if !direct_enabled() {
+            return None;
+        }
+        direct_plan(&self.memory, payloads)
     }
 
     /// Takes a pull slot (waiting while all are in use, or until the link closes).
@@ -662,6 +702,44 @@ impl LinkGpu {
         unsafe { comm.p2p(dir, self.staging[k].ptr(), bytes, peer, self.net.cu_stream() as *mut std::ffi::c_void) }
     }
 
+    /// Enqueues one NCCL operation per `(device address, bytes)` of `ops` (one group) on the net
+    /// stream, behind the last gather or scatter of staging buffer `k` (receives may land there);
+    /// poll [`LinkGpu::issued`], then [`LinkGpu::record_net`].
+    ///
+    /// # Safety
+    /// Each range must be this GPU's memory — of the pool, claimed by the transfer (and, sending,
+    /// held until the operations completed), or of staging buffer `k` — that nothing else touches
+    /// until the operation completed or the communicator was aborted.
+    unsafe fn enqueue_p2p_all(&self, dir: Dir, k: usize, ops: &[(u64, usize)]) -> std::result::Result<(), String> {
+        self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e}"))?;
+        self.net.wait(&self.copy_done[k]).map_err(|e| format!("ordering the NCCL operation: {e}"))?;
+        let comm = lock(&self.comm);
+        let comm = comm.as_ref().ok_or("the communicator was aborted")?;
+        let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
+        // SAFETY: the caller's contract; `net` is this link's stream of the same context.
+        unsafe { comm.p2p_all(dir, ops, peer, self.net.cu_stream() as *mut std::ffi::c_void) }
+    }
+
+    /// An event recorded now on the net stream (behind the operations enqueued so far).
+    fn net_event(&self) -> std::result::Result<CudaEvent, String> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e}"))?;
+        let e = self.ctx.new_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| format!("creating an event: {e}"))?;
+        e.record(&self.net).map_err(|e| format!("recording an event: {e}"))?;
+        Ok(e)
+    }
+
+    /// Whether the net stream ran out of work.
+    fn net_idle(&self) -> std::result::Result<bool, String> {
+        use cudarc::driver::sys::{CUresult, cuStreamQuery};
+        // SAFETY: a live stream of this link's context.
+        match unsafe { cuStreamQuery(self.net.cu_stream()) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(format!("the NCCL stream failed: {e:?}")),
+        }
+    }
+
     /// Whether the last NCCL call was issued onto the stream (a nonblocking communicator may still
     /// be connecting to its peer); `Err` when the communicator failed or was aborted.
     fn issued(&self) -> std::result::Result<bool, String> {
@@ -723,8 +801,15 @@ enum Job {
         /// The staging buffer it writes.
         _gpu: Arc<LinkGpu>,
     },
-    /// Receiver: a scatter into the wanted chunks' blocks, reported for their inbox tokens when it
-    /// ran.
+    /// Sender: a batch sent straight from the pool; the payloads stay held until its operations
+    /// ran (`done`, recorded behind them; `None`: recording failed, the link is closing).
+    Sent {
+        done: Option<CudaEvent>,
+        _hold: Vec<Payload>,
+        gpu: Arc<LinkGpu>,
+    },
+    /// Receiver: a scatter into the wanted chunks' blocks (or their verification, when they were
+    /// received straight into them), reported for their inbox tokens when it ran.
     Scattered {
         pull: PullEvent,
         slot: usize,
@@ -733,8 +818,9 @@ enum Job {
         /// The staging buffer it reads.
         _gpu: Arc<LinkGpu>,
     },
-    /// Receiver: chunks that fail without device work of theirs (reported in their turn).
-    Failed { tokens: Vec<u64>, reason: String },
+    /// Receiver: chunks that fail (reported in their turn; with `after`, once that link's NCCL
+    /// stream ran out: a direct batch's receives may still be writing their blocks).
+    Failed { tokens: Vec<u64>, reason: String, after: Option<Arc<LinkGpu>> },
 }
 
 /// A link's worker thread: waits for each job's device work in order and reports it (see [`Job`]);
@@ -757,6 +843,18 @@ fn link_worker(jobs: std::sync::mpsc::Receiver<Job>, link: &Arc<NcclLink>, devic
                 }
                 super::kv_trace!("nccl batch gathered");
             }
+            Job::Sent { done, gpu, .. } => {
+                // Without its event (enqueueing failed part way; the link is closing), the whole net
+                // stream running out is what says no send reads the payloads any more.
+                let sent = match &done {
+                    Some(done) => link.wait_until(|| done.try_is_complete().map_err(|e| e.to_string()), &mut closed_at),
+                    None => link.wait_until(|| gpu.net_idle(), &mut closed_at),
+                };
+                if let Err(e) = sent {
+                    tracing::warn!(peer = link.state.peer(), error = %e, "nccl: a direct send did not finish");
+                }
+                super::kv_trace!("nccl direct batch sent");
+            }
             Job::Scattered { pull, slot, tokens, .. } => {
                 match link.wait_for(&pull, device, &mut closed_at) {
                     Ok(sums) => {
@@ -777,7 +875,12 @@ fn link_worker(jobs: std::sync::mpsc::Receiver<Job>, link: &Arc<NcclLink>, devic
                     }
                 }
             }
-            Job::Failed { tokens, reason } => {
+            Job::Failed { tokens, reason, after } => {
+                if let Some(gpu) = after
+                    && let Err(e) = link.wait_until(|| gpu.net_idle(), &mut closed_at)
+                {
+                    tracing::warn!(peer = link.state.peer(), error = %e, "nccl: failed chunks' receives did not finish");
+                }
                 for token in tokens {
                     inbox.on_payload(&dyn_link, token, Err(reason.clone()));
                 }
@@ -846,11 +949,17 @@ impl NcclLink {
     /// its communicator (the work then runs out) and a failed communicator closes the link; gives up
     /// [`DRAIN`] after the link closed. Returns the pull's sums.
     fn wait_for(&self, pull: &PullEvent, device: &DeviceKv, closed_at: &mut Option<Instant>) -> std::result::Result<Vec<u64>, String> {
+        self.wait_until(|| pull.done().map_err(|e| e.to_string()), closed_at)?;
+        pull.wait(device).map_err(|e| e.to_string())
+    }
+
+    /// Waits until `done` says the device work ran, as [`NcclLink::wait_for`] waits for a pull.
+    fn wait_until(&self, mut done: impl FnMut() -> std::result::Result<bool, String>, closed_at: &mut Option<Instant>) -> std::result::Result<(), String> {
         let since = Instant::now();
         let mut polls = 0u32;
         loop {
-            if pull.done().map_err(|e| e.to_string())? {
-                return pull.wait(device).map_err(|e| e.to_string());
+            if done()? {
+                return Ok(());
             }
             polls = polls.wrapping_add(1);
             if polls.is_multiple_of(64) {
@@ -954,6 +1063,9 @@ impl NcclLink {
         }
         let (items, payloads): (Vec<(u64, Vec<u8>)>, Vec<Payload>) = group.into_iter().map(|(h, p)| ((p.len(), h), p)).unzip();
         let gpu = self.ready_gpu().await.map_err(|e| self.link_err(e))?;
+        if let Some(plan) = t.direct_plan(&payloads) {
+            return self.send_direct(wr, &t, gpu, items, payloads, plan).await;
+        }
         let (slot, permit) = t.slot(&self.closing).await.map_err(|e| self.link_err(e))?;
         // From the send's enqueue to the announcement the pair's NCCL operations are out of step:
         // abandoning the batch in between (deadline, failure) closes the link.
@@ -966,13 +1078,91 @@ impl NcclLink {
         // is announced at once: a nonblocking communicator may need the receive posted to issue it.
         gpu.enqueue_p2p(Dir::Send, k, bytes as usize).map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
         super::kv_trace!("nccl batch of {} ({bytes} bytes) enqueued", items.len());
-        wire::write(wr, &Control::Batch { items, staged: staged.clone() })
+        let moved = match &staged {
+            Ok(()) => Moved::Staged,
+            Err(reason) => Moved::StageFailed(reason.clone()),
+        };
+        wire::write(wr, &Control::Batch { items, moved })
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
         self.until_issued(&gpu).await.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
         gpu.record_net(k).map_err(|e| self.link_err(e))?;
         torn.disarm();
         staged.map_err(|e| Error::Device(format!("staging chunks for NCCL: {e}")))
+    }
+}
+
+impl NcclLink {
+    /// A direct batch (`plan`: [`NcclTransport::direct_plan`]): one send per payload, straight
+    /// from the pool where its blocks are one run, else from staging after a gather of those
+    /// payloads alone; announced as [`Moved::Direct`]; the worker thread drops the payloads once
+    /// the sends ran.
+    async fn send_direct(
+        &self,
+        wr: &mut OwnedWriteHalf,
+        t: &NcclTransport,
+        gpu: Arc<LinkGpu>,
+        items: Vec<(u64, Vec<u8>)>,
+        payloads: Vec<Payload>,
+        plan: Vec<DirectPayload>,
+    ) -> Result<()> {
+        let bb = t.memory.geometry().block_bytes();
+        let scattered = plan.iter().any(|(_, _, at)| at.is_none());
+        let slot = if scattered { Some(t.slot(&self.closing).await.map_err(|e| self.link_err(e))?) } else { None };
+        let corrupt = t.pick_corrupt(payloads.len()).map(|i| i as u32);
+        // (Each side uses its staging buffers in turn, batch by batch.)
+        let k = gpu.next_buffer();
+        let staging = gpu.staging[k].ptr();
+        // Payloads whose blocks are not one run: back to back in staging buffer `k` (the batch fits
+        // one: `send_messages` groups by its size).
+        let mut gather: Vec<StagedChunk> = Vec::new();
+        let mut at = 0u32;
+        let runs: Vec<(u64, usize)> = plan
+            .into_iter()
+            .map(|(layer, ids, run)| {
+                let bytes = ids.len() * bb;
+                match run {
+                    Some(addr) => (addr, bytes),
+                    None => {
+                        let first = at;
+                        at += ids.len() as u32;
+                        gather.push((layer, ids, first));
+                        (staging + u64::from(first) * bb as u64, bytes)
+                    }
+                }
+            })
+            .collect();
+        if let Some((slot, permit)) = slot {
+            // Nothing of this batch is enqueued or announced yet: a gather that fails to start
+            // fails the batch alone, the pair's NCCL operations still in step.
+            let gathered = t.enqueue_move(&gpu, k, slot, &gather, true, None);
+            let failed = gathered.as_ref().err().cloned();
+            self.submit(Job::Gathered { pull: gathered.ok(), slot, _permit: permit, _hold: Vec::new(), _gpu: Arc::clone(&gpu) });
+            if let Some(e) = failed {
+                return Err(Error::Device(format!("staging chunks for NCCL: {e}")));
+            }
+        }
+        // From the sends' enqueue to the announcement the pair's NCCL operations are out of step:
+        // abandoning the batch in between (deadline, failure) closes the link.
+        let mut torn = self.state.torn_guard();
+        // SAFETY: each run is whole blocks of one layer of this connector's pool (`direct_plan`
+        // located them), or the part of staging buffer `k` the gather above fills (the sends wait
+        // for it: `enqueue_p2p_all` orders them behind the buffer's last gather); the payloads are
+        // held until the worker saw the sends' event complete, or until the communicator was
+        // aborted and the link's work drained.
+        let sent = unsafe { gpu.enqueue_p2p_all(Dir::Send, k, &runs) };
+        let done = sent.as_ref().ok().and_then(|()| gpu.net_event().ok());
+        self.submit(Job::Sent { done, _hold: payloads, gpu: Arc::clone(&gpu) });
+        sent.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
+        super::kv_trace!("nccl direct batch of {} enqueued", items.len());
+        wire::write(wr, &Control::Batch { items, moved: Moved::Direct { corrupt } })
+            .await
+            .map_err(|e| self.link_err(e.to_string()))?;
+        self.until_issued(&gpu).await.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
+        // (A later gather into buffer `k` waits for these sends.)
+        gpu.record_net(k).map_err(|e| self.link_err(e))?;
+        torn.disarm();
+        Ok(())
     }
 }
 
@@ -1074,7 +1264,7 @@ impl Reader {
             },
             Control::Msg { .. } => Err("a payload announced outside a batch".into()),
             Control::Batch { .. } if sender_side => Err("payload from the accepting side".into()),
-            Control::Batch { items, staged } => {
+            Control::Batch { items, moved } => {
                 // A batch waits for the communicator before the inbox hears of it: the connector
                 // then counts only the bytes' movement as the chunks', not the communicator's
                 // creation (a transfer's deadline never closes the link over it).
@@ -1096,28 +1286,32 @@ impl Reader {
                 }
                 let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
                 if let Some(reason) = refused {
-                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}") });
+                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}"), after: Some(Arc::clone(&gpu)) });
                     return Err(reason);
                 }
                 let lens: Vec<u64> = items.iter().map(|(len, _)| *len).collect();
-                self.receive(&gpu, &lens, wanted, staged).await.inspect_err(|reason| {
-                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}") });
+                self.receive(&gpu, &lens, wanted, moved).await.inspect_err(|reason| {
+                    self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}"), after: Some(Arc::clone(&gpu)) });
                 })
             }
             other => Err(format!("unexpected nccl control message {other:?}")),
         }
     }
 
-    /// Posts the receive of a batch of payloads of `lens` bytes (back to back, one NCCL receive)
-    /// and, when the sender staged them, the scatter of those `wanted` — `(index in the batch,
-    /// token, destination iovecs)` — into their blocks behind it; the worker thread reports them.
+    /// Posts the receives of a batch of payloads of `lens` bytes and, for those `wanted` —
+    /// `(index in the batch, token, destination iovecs)` —, the device work that lands and verifies
+    /// them behind; the worker thread reports them. Staged batches come as one receive into a
+    /// staging buffer (back to back), scattered into their blocks. Direct ones come as one receive
+    /// per payload: straight into its blocks when every wanted payload's blocks are contiguous
+    /// (then verified where they landed; unwanted ones land in staging), else each at its place in
+    /// staging and scattered as a staged batch.
     /// `Err`: the link must close (the wanted chunks are not reported yet).
     async fn receive(
         &self,
         gpu: &Arc<LinkGpu>,
         lens: &[u64],
         wanted: Vec<(usize, u64, Vec<Iov>)>,
-        staged: std::result::Result<(), String>,
+        moved: Moved,
     ) -> std::result::Result<(), String> {
         let link = &self.link;
         let t = self.transport.upgrade().ok_or("the transport is gone")?;
@@ -1142,29 +1336,98 @@ impl Reader {
         }
         let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
         let k = gpu.next_buffer();
-        gpu.enqueue_p2p(Dir::Recv, k, total as usize).map_err(|e| format!("receiving chunks through NCCL: {e}"))?;
+        let into: Vec<(usize, u64, &[u32])> =
+            wanted.iter().zip(&chunks).map(|((i, _, _), (layer, ids, _))| (*i, t.memory.layer_base(*layer) as u64, ids.as_slice())).collect();
+        let (ops, straight) = receive_plan(lens, &moved, gpu.staging[k].ptr(), &into, bb);
+        // SAFETY: staging ranges lie inside buffer `k` (the batch fits it, checked above); pool
+        // ranges are whole blocks of one layer of this connector's pool that the inbox gave this
+        // transfer's chunks (claimed until they are reported); nothing else writes either until
+        // the worker reported the batch.
+        unsafe { gpu.enqueue_p2p_all(Dir::Recv, k, &ops) }.map_err(|e| format!("receiving chunks through NCCL: {e}"))?;
         link.until_issued(gpu).await.map_err(|e| format!("receiving chunks through NCCL: {e}"))?;
         gpu.record_net(k)?;
-        super::kv_trace!("nccl batch of {} receive posted", lens.len());
-        if let Err(reason) = staged {
-            if !tokens.is_empty() {
-                link.submit(Job::Failed { tokens, reason: format!("the sender could not stage the payload: {reason}") });
+        super::kv_trace!("nccl batch of {} receive posted ({} operations)", lens.len(), ops.len());
+        let corrupt = match &moved {
+            Moved::StageFailed(reason) => {
+                if !tokens.is_empty() {
+                    link.submit(Job::Failed { tokens, reason: format!("the sender could not stage the payload: {reason}"), after: None });
+                }
+                return Ok(());
             }
-            return Ok(());
-        }
+            Moved::Staged => None,
+            // (The test hook: flip a byte of that payload once landed, if it is wanted.)
+            Moved::Direct { corrupt } => corrupt.and_then(|c| wanted.iter().position(|(i, _, _)| *i == c as usize)),
+        };
         if chunks.is_empty() {
             return Ok(()); // nothing wanted: the bytes land in staging and stay there
         }
         let (slot, permit) = t.slot(&link.closing).await?;
-        match t.enqueue_move(gpu, k, slot, &chunks, false, None) {
+        let landed = if straight {
+            let dsts: Vec<Blocks<'_>> = chunks
+                .iter()
+                .map(|(layer, ids, _)| Blocks { base: t.memory.layer_base(*layer) as u64, num_blocks: t.memory.num_blocks(), ids })
+                .collect();
+            gpu.moved(k, t.device.verify_on(&gpu.copy, &gpu.net_done[k], slot, &dsts, bb as usize, corrupt).map_err(|e| e.to_string()))
+        } else {
+            t.enqueue_move(gpu, k, slot, &chunks, false, corrupt)
+        };
+        match landed {
             Ok(pull) => link.submit(Job::Scattered { pull, slot, _permit: permit, tokens, _gpu: Arc::clone(gpu) }),
             Err(e) => {
                 // (A pull that failed to start has run out: its slot is free again.)
                 lock(&t.free_slots).push(slot);
-                link.submit(Job::Failed { tokens, reason: format!("scattering chunks: {e}") });
+                link.submit(Job::Failed { tokens, reason: format!("landing chunks: {e}"), after: Some(Arc::clone(gpu)) });
             }
         }
         Ok(())
+    }
+}
+
+/// [`NcclTransport::direct_plan`] over `memory`.
+fn direct_plan(memory: &KvMemory, payloads: &[Payload]) -> Option<Vec<DirectPayload>> {
+    let bb = memory.geometry().block_bytes() as u64;
+    payloads
+        .iter()
+        .map(|p| {
+            let (layer, ids) = memory.blocks_of(p.iovs())?;
+            let first = *ids.first()?;
+            let run = ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
+            let at = run.then(|| memory.layer_base(layer) as u64 + u64::from(first) * bb);
+            Some((layer, ids, at))
+        })
+        .collect()
+}
+
+/// The receives of a batch of payloads of `lens` bytes that arrives as `moved` says, as
+/// `(device address, bytes)` in posting order — one per send the sender enqueued, of its length —
+/// and whether the wanted payloads land straight in their blocks. `staging`: the staging buffer the
+/// batch may use (it fits); `into`: each wanted payload's `(index in the batch, its layer's base,
+/// destination block ids)`.
+fn receive_plan(lens: &[u64], moved: &Moved, staging: u64, into: &[(usize, u64, &[u32])], block_bytes: u64) -> (Vec<(u64, usize)>, bool) {
+    match moved {
+        Moved::Staged | Moved::StageFailed(_) => (vec![(staging, lens.iter().sum::<u64>() as usize)], false),
+        Moved::Direct { .. } => {
+            // Each payload at its place in staging (back to back), unless every wanted payload's
+            // blocks are one run: then those straight into their blocks.
+            let mut at = 0u64;
+            let mut ops: Vec<(u64, usize)> = lens
+                .iter()
+                .map(|&len| {
+                    let op = (staging + at, len as usize);
+                    at += len;
+                    op
+                })
+                .collect();
+            let straight = into.iter().all(|(_, _, ids)| ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1)));
+            if straight {
+                for &(i, base, ids) in into {
+                    if let (Some(op), Some(&first)) = (ops.get_mut(i), ids.first()) {
+                        op.0 = base + u64::from(first) * block_bytes;
+                    }
+                }
+            }
+            (ops, straight)
+        }
     }
 }
 
@@ -1227,5 +1490,97 @@ impl RawNcclPair {
         // nothing else touches during a benchmark; the call waits for both GPUs before returning.
         unsafe { lock(&self.pair).send(a.base, b.base, bytes) }
             .map_err(|e| Error::Device(format!("raw NCCL send: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const BB: u64 = 4096;
+    const STAGING: u64 = 1 << 40;
+
+    /// A payload: its block count, and if the receiver wants it, its layer base and destination ids.
+    type Planned = (u32, Option<(u64, Vec<u32>)>);
+
+    /// A batch of payloads, destinations contiguous or scattered.
+    fn batch() -> impl Strategy<Value = Vec<Planned>> {
+        prop::collection::vec(
+            (1u32..6).prop_flat_map(|n| {
+                let dst = (0u64..4, prop::bool::ANY, 0u32..1000).prop_map(move |(layer, scattered, first)| {
+                    let ids: Vec<u32> = (0..n).map(|j| first + if scattered { 2 * j } else { j }).collect();
+                    ((layer + 1) << 32, ids)
+                });
+                (Just(n), prop::option::of(dst))
+            }),
+            1..8,
+        )
+    }
+
+    #[test]
+    fn a_direct_batch_sends_runs_from_the_pool_and_gathers_the_rest() {
+        use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
+        let g = Geometry::new(GeometrySpec {
+            model_id: "direct".into(),
+            dtype: DType::BF16,
+            block_size: 4,
+            num_layers: 3,
+            num_kv_heads: 1,
+            head_dim: 8,
+            layout: Layout::KvHeadTokenDim,
+        })
+        .expect("geometry");
+        let memory = KvMemory::host(g, 16).expect("pool");
+        let bb = memory.geometry().block_bytes() as u64;
+        let hold: Arc<dyn Send + Sync> = Arc::new(());
+        let payload = |layer: u32, ids: &[u32]| Payload::new(memory.iovs(layer, ids), Arc::clone(&hold));
+        let plan = direct_plan(&memory, &[payload(1, &[4, 5, 6]), payload(2, &[7, 3]), payload(0, &[9])]).expect("a plan");
+        assert_eq!(plan[0], (1, vec![4, 5, 6], Some(memory.layer_base(1) as u64 + 4 * bb)));
+        assert_eq!(plan[1], (2, vec![7, 3], None), "blocks that are not one run are gathered");
+        assert_eq!(plan[2], (0, vec![9], Some(memory.layer_base(0) as u64 + 9 * bb)));
+        // A payload that is not whole blocks of one layer: the batch is staged (which reports it).
+        let base = memory.layer_base(0);
+        let odd = Payload::new(vec![Iov { addr: base + 1, len: bb as usize, kind: MemoryKind::Host }], Arc::clone(&hold));
+        assert!(direct_plan(&memory, &[payload(0, &[1]), odd]).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn every_receive_matches_one_send_of_its_length_in_order(payloads in batch(), direct in prop::bool::ANY) {
+            let lens: Vec<u64> = payloads.iter().map(|(n, _)| u64::from(*n) * BB).collect();
+            let into: Vec<(usize, u64, &[u32])> =
+                payloads.iter().enumerate().filter_map(|(i, (_, d))| d.as_ref().map(|(base, ids)| (i, *base, ids.as_slice()))).collect();
+            let moved = if direct { Moved::Direct { corrupt: None } } else { Moved::Staged };
+            let (ops, straight) = receive_plan(&lens, &moved, STAGING, &into, BB);
+            let total: u64 = lens.iter().sum();
+            if !direct {
+                // The sender's one send of the whole batch, into the start of staging.
+                prop_assert_eq!(ops, vec![(STAGING, total as usize)]);
+                prop_assert!(!straight);
+                return Ok(());
+            }
+            // One receive per payload, of its length, in order: the sender's sends.
+            prop_assert_eq!(ops.len(), lens.len());
+            for (op, len) in ops.iter().zip(&lens) {
+                prop_assert_eq!(op.1 as u64, *len);
+            }
+            let scattered = into.iter().any(|(_, _, ids)| ids.windows(2).any(|w| w[1] != w[0] + 1));
+            prop_assert_eq!(straight, !scattered);
+            let mut at = STAGING;
+            for (i, op) in ops.iter().enumerate() {
+                match into.iter().find(|(j, _, _)| *j == i) {
+                    // Straight into exactly the payload's destination run.
+                    Some(&(_, base, ids)) if straight => {
+                        prop_assert_eq!(op.0, base + u64::from(ids[0]) * BB);
+                        prop_assert_eq!(op.0 + op.1 as u64, base + (u64::from(*ids.last().unwrap()) + 1) * BB);
+                    }
+                    // Otherwise at its place in staging, back to back.
+                    _ => prop_assert_eq!(op.0, at),
+                }
+                at += op.1 as u64;
+            }
+            prop_assert_eq!(at, STAGING + total);
+        }
     }
 }

@@ -361,6 +361,30 @@ impl Comm {
         }
     }
 
+    /// [`Comm::p2p`] of each `(buf, bytes)` of `ops` in order, in one NCCL group (one launch; the
+    /// peer's matching operations are matched in the same order).
+    ///
+    /// # Safety
+    /// As [`Comm::p2p`], for every buffer of `ops`.
+    pub(crate) unsafe fn p2p_all(
+        &self,
+        dir: Dir,
+        ops: &[(u64, usize)],
+        peer: i32,
+        stream: CuStream,
+    ) -> std::result::Result<(), String> {
+        if let [(buf, bytes)] = ops {
+            // SAFETY: the caller's contract.
+            return unsafe { self.p2p(dir, *buf, *bytes, peer, stream) };
+        }
+        self.api.group(|| {
+            ops.iter().try_for_each(|&(buf, bytes)| {
+                // SAFETY: the caller's contract.
+                unsafe { self.p2p(dir, buf, bytes, peer, stream) }
+            })
+        })
+    }
+
     /// Aborts the communicator: its kernels stop, its resources are freed, its peer's operations
     /// fail. May wait for NCCL's threads: call it off the async runtime.
     pub(crate) fn abort(mut self) {

@@ -6,8 +6,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::ffi::{UNIQUE_ID_BYTES, UniqueId, version_text};
 
-/// Version of this control protocol.
-pub(crate) const VERSION: u16 = 3;
+/// Version of this control protocol (4: batches may move straight between the pools, one NCCL
+/// operation per payload, [`Moved::Direct`]).
+pub(crate) const VERSION: u16 = 4;
 /// Largest control message body.
 pub(crate) const MAX_MESSAGE: usize = 64 * 1024;
 /// Longest reason text carried (longer ones are cut at a character boundary).
@@ -123,16 +124,32 @@ pub(crate) enum Control {
         header: Vec<u8>,
     },
     /// Sender → receiver: up to [`MAX_BATCH`] transport messages whose payloads (each `(payload
-    /// bytes, frame header)`, bytes positive) come through NCCL as one send, back to back in this
-    /// order — a send already enqueued when this is written, so the receiver always posts the
-    /// matching receive, whether it wants the payloads or not. `staged`: whether the bytes sent are
-    /// the payloads (`Err`: the sender could not stage them; it sends its buffer anyway, to keep
-    /// the pair's NCCL operations matched).
+    /// bytes, frame header)`, bytes positive) come through NCCL in this order, as `moved` says —
+    /// sends already enqueued when this is written, so the receiver always posts the matching
+    /// receives, whether it wants the payloads or not.
     Batch {
         /// `(payload bytes, frame header)` of each message.
         items: Vec<(u64, Vec<u8>)>,
-        /// The sender's staging verdict.
-        staged: Result<(), String>,
+        /// How the payloads travel.
+        moved: Moved,
+    },
+}
+
+/// How a [`Control::Batch`]'s payloads travel through NCCL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Moved {
+    /// Gathered into the sender's staging buffer and sent as one operation, back to back.
+    Staged,
+    /// The sender could not stage them: it sends its buffer anyway (one operation of the batch's
+    /// bytes, to keep the pair's NCCL operations matched), which is not the payloads.
+    StageFailed(String),
+    /// One operation per payload, in order, each straight from the sender's pool (its blocks are
+    /// contiguous); the receiver receives each straight into its blocks where those are contiguous
+    /// too. `corrupt`: the integrity test hook asks the receiver to flip a byte of this payload
+    /// once it landed, before it is verified.
+    Direct {
+        /// Index of the payload to corrupt.
+        corrupt: Option<u32>,
     },
 }
 
@@ -172,18 +189,22 @@ impl Control {
                 body.extend_from_slice(&payload_len.to_le_bytes());
                 body.extend_from_slice(header);
             }
-            Control::Batch { items, staged } => {
+            Control::Batch { items, moved } => {
                 body.extend_from_slice(&(items.len() as u32).to_le_bytes());
                 for (len, header) in items {
                     body.extend_from_slice(&len.to_le_bytes());
                     body.extend_from_slice(&(header.len() as u32).to_le_bytes());
                     body.extend_from_slice(header);
                 }
-                match staged {
-                    Ok(()) => body.push(1),
-                    Err(reason) => {
+                match moved {
+                    Moved::Staged => body.push(1),
+                    Moved::StageFailed(reason) => {
                         body.push(0);
                         body.extend_from_slice(cut(reason).as_bytes());
+                    }
+                    Moved::Direct { corrupt } => {
+                        body.push(2);
+                        body.extend_from_slice(&corrupt.unwrap_or(u32::MAX).to_le_bytes());
                     }
                 }
             }
@@ -233,12 +254,20 @@ impl Control {
                     r.buf = rest;
                     items.push((len, header.to_vec()));
                 }
-                let staged = match r.u8()? {
-                    1 => Ok(()),
-                    0 => return Ok(Control::Batch { items, staged: Err(text(r.buf)) }),
+                let moved = match r.u8()? {
+                    1 => Moved::Staged,
+                    0 => return Ok(Control::Batch { items, moved: Moved::StageFailed(text(r.buf)) }),
+                    2 => {
+                        let corrupt = match r.u32()? {
+                            u32::MAX => None,
+                            i if (i as usize) < items.len() => Some(i),
+                            i => return Err(format!("payload {i} of a batch of {} to corrupt", items.len())),
+                        };
+                        Moved::Direct { corrupt }
+                    }
                     b => return Err(format!("a staging verdict of {b}")),
                 };
-                Control::Batch { items, staged }
+                Control::Batch { items, moved }
             }
             k => return Err(format!("unknown nccl control message {k}")),
         };
@@ -337,9 +366,11 @@ mod tests {
                 payload_len: 1 << 24,
                 header: vec![7; 300],
             },
-            Control::Batch { items: vec![(1 << 23, vec![1; 40])], staged: Ok(()) },
-            Control::Batch { items: vec![(4096, vec![]), (1 << 20, vec![9; 64]), (7, vec![3])], staged: Ok(()) },
-            Control::Batch { items: vec![(8, vec![2; 3])], staged: Err("the payload is not whole blocks".into()) },
+            Control::Batch { items: vec![(1 << 23, vec![1; 40])], moved: Moved::Staged },
+            Control::Batch { items: vec![(4096, vec![]), (1 << 20, vec![9; 64]), (7, vec![3])], moved: Moved::Staged },
+            Control::Batch { items: vec![(8, vec![2; 3])], moved: Moved::StageFailed("the payload is not whole blocks".into()) },
+            Control::Batch { items: vec![(4096, vec![]), (1 << 20, vec![9; 64])], moved: Moved::Direct { corrupt: None } },
+            Control::Batch { items: vec![(4096, vec![]), (1 << 20, vec![9; 64])], moved: Moved::Direct { corrupt: Some(1) } },
         ]
     }
 
@@ -387,14 +418,14 @@ mod tests {
 
     #[test]
     fn batches_are_bounded() {
-        let batch = |n: usize| Control::Batch { items: (0..n).map(|i| (i as u64 + 1, vec![i as u8])).collect(), staged: Ok(()) }.encode();
+        let batch = |n: usize| Control::Batch { items: (0..n).map(|i| (i as u64 + 1, vec![i as u8])).collect(), moved: Moved::Staged }.encode();
         let full = batch(MAX_BATCH);
         assert!(Control::decode(full[0], &full[5..]).is_ok());
         let over = batch(MAX_BATCH + 1);
         assert!(Control::decode(over[0], &over[5..]).unwrap_err().contains("batch of"));
         let empty = [0u8; 4];
         assert!(Control::decode(K_BATCH, &empty).is_err());
-        let zero = Control::Batch { items: vec![(0, vec![])], staged: Ok(()) }.encode();
+        let zero = Control::Batch { items: vec![(0, vec![])], moved: Moved::Staged }.encode();
         assert!(Control::decode(zero[0], &zero[5..]).unwrap_err().contains("empty payload"));
         // No staging verdict, and a header longer than what is left.
         let mut cut = batch(1);
@@ -405,6 +436,18 @@ mod tests {
         let mut odd = batch(1);
         *odd.last_mut().unwrap() = 7;
         assert!(Control::decode(odd[0], &odd[5..]).unwrap_err().contains("verdict"));
+        // A direct batch names a payload it has to corrupt, or none (u32::MAX); it has its index.
+        let direct = |n: usize, corrupt: u32| {
+            let mut m = Control::Batch { items: (0..n).map(|i| (i as u64 + 1, vec![i as u8])).collect(), moved: Moved::Direct { corrupt: None } }.encode();
+            let at = m.len() - 4;
+            m[at..].copy_from_slice(&corrupt.to_le_bytes());
+            m
+        };
+        assert!(matches!(Control::decode(K_BATCH, &direct(3, 2)[5..]), Ok(Control::Batch { moved: Moved::Direct { corrupt: Some(2) }, .. })));
+        assert!(Control::decode(K_BATCH, &direct(3, 3)[5..]).unwrap_err().contains("to corrupt"));
+        let mut short = direct(3, u32::MAX);
+        short.truncate(short.len() - 1);
+        assert!(Control::decode(K_BATCH, &short[5..]).is_err());
     }
 
     #[test]
