@@ -1372,6 +1372,7 @@ impl SendJob {
                                 _ = cancel.wait_for(|c| *c) => return Err(cancelled),
                             }
                         }
+                        crate::transport::kv_trace!("tx {:x} {} messages handed to the link", desc.id, batch.len());
                         link.send_batch(std::mem::take(&mut batch)).await?;
                         crate::transport::kv_trace!("tx {:x} sent through layer {l} block {first}", desc.id);
                         if !first_sent {

@@ -253,6 +253,7 @@ impl DeviceKv {
         let runs = engine_runs(chunks.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes);
         self.with_writer(|w| {
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
+            crate::transport::kv_trace!("write: bound, {} copies to enqueue", runs.len());
             for &(dst, src, bytes) in &runs {
                 // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by the
                 // transfer until the receiver acknowledged it), `dst` one of the receiver's pool as
@@ -262,6 +263,7 @@ impl DeviceKv {
                     .result()
                     .map_err(err("writing KV blocks into the receiver's pool"))?;
             }
+            crate::transport::kv_trace!("write: copies enqueued");
             let k = w.next;
             w.next = (w.next + 1) % w.events.len();
             // SAFETY: the events and the stream belong to this context.

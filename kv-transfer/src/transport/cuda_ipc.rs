@@ -852,6 +852,7 @@ impl IpcLink {
         if guard.is_none() {
             return Err(self.state.err("link closed"));
         }
+        super::kv_trace!("ipc send of {} messages: link locked", messages.len());
         let written = match &self.dest {
             Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => Some(self.write_granted(dest, &messages)?),
             _ => None,
