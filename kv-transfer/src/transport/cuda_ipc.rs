@@ -103,6 +103,18 @@ const WRITE_GRACE: Duration = Duration::from_millis(200);
 /// process recorded may never complete).
 const QUIESCE_WAIT: Duration = Duration::from_secs(5);
 
+/// A random number drawn once per process: with the process id, it tells a peer that is this very
+/// process from one of another PID namespace that happens to have the same id.
+fn process_token() -> u64 {
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        getrandom::u64().unwrap_or_else(|_| {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+            t ^ (u64::from(std::process::id()) << 32) ^ (&TOKEN as *const _ as u64)
+        })
+    })
+}
+
 /// This host's identity (its boot), so an endpoint names the host it lives on.
 fn host_key() -> u64 {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
@@ -128,8 +140,11 @@ struct PeerPool {
     block_bytes: u64,
     /// The pool on another GPU whose copy engines can write ours: pulls are pushes from there.
     push: Option<PushSource>,
-    /// The peer process.
+    /// The peer process (its id in its own PID namespace: for logs).
     pid: u32,
+    /// The peer is this very process (same id and same [`process_token`]: processes of two
+    /// containers may share an id, and then their pointers must never be taken for ours).
+    same_process: bool,
     /// Receiver side of a link whose sender writes: the sender's write events as this process
     /// addresses them (raw `CUevent`s), and those opened from handles (destroyed with the pool).
     sender_events: Vec<u64>,
@@ -280,6 +295,7 @@ impl CudaIpcTransport {
         let g = memory.geometry();
         let mut pool = Vec::with_capacity(128 + 8 * g.num_layers() as usize);
         pool.extend_from_slice(&std::process::id().to_le_bytes());
+        pool.extend_from_slice(&process_token().to_le_bytes());
         pool.extend(handle.reserved.iter().map(|&b| b as u8));
         pool.extend_from_slice(&allocation.base.to_le_bytes());
         pool.extend_from_slice(&(allocation.bytes as u64).to_le_bytes());
@@ -407,7 +423,7 @@ impl CudaIpcTransport {
                 *slot = r.u8()? as _;
             }
             let raw = r.u64()?;
-            if pool.pid == std::process::id() {
+            if pool.same_process {
                 pool.sender_events.push(raw);
             } else {
                 let mut ev: cudarc::driver::sys::CUevent = std::ptr::null_mut();
@@ -456,6 +472,8 @@ impl CudaIpcTransport {
     fn open_pool<'b>(&self, body: &'b [u8], pushes: bool) -> std::result::Result<(PeerPool, &'b [u8]), String> {
         let mut r = Cursor { buf: body };
         let pid = r.u32()?;
+        let token = r.u64()?;
+        let same_process = pid == std::process::id() && token == process_token();
         let mut handle = [0u8; 64];
         for slot in handle.iter_mut() {
             *slot = r.u8()?;
@@ -480,7 +498,7 @@ impl CudaIpcTransport {
             *slot = r.u8()?;
         }
         let own = self.ordinal;
-        let (mapping, local, mapped, push) = if pid == std::process::id() {
+        let (mapping, local, mapped, push) = if same_process {
             // CUDA refuses to open a handle in the process that exported it: the sender's own
             // addresses serve (its memory kept alive through the registry), and if its pool lies on
             // another GPU, this GPU's kernels need peer access to it (another process's mapping gets
@@ -522,6 +540,7 @@ impl CudaIpcTransport {
                 block_bytes,
                 push,
                 pid,
+                same_process,
                 sender_events: Vec::new(),
                 _opened_events: Vec::new(),
             },
@@ -950,7 +969,7 @@ impl Link for IpcLink {
             tokio::time::sleep(WRITE_GRACE).await;
             let (Some(pool), Some(t)) = (self.pool.clone(), self.transport.upgrade()) else { return };
             let self_peer = self.state.peer().to_string();
-            if pool.pid == std::process::id() {
+            if pool.same_process {
                 // A sender in this process owns its events and may have destroyed them with its
                 // connector: the grace above is all (same-process pairs are benches and tests).
                 return;
