@@ -1719,6 +1719,16 @@ mod tests {
         }
     }
 
+    /// Waits (bounded, ~1 s) until `done` holds; the caller asserts what it needs afterwards.
+    async fn eventually(done: impl Fn() -> bool) {
+        for _ in 0..1000 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     fn receiver(config: ConnectorConfig) -> Arc<Core> {
         Core::new(KvMemory::host(geometry(), 16).expect("pool"), config, Handle::current()).expect("core")
     }
@@ -1835,12 +1845,7 @@ mod tests {
         assert!(!recv.progress().is_terminal());
         assert_eq!(core.memory().claimed_blocks(), 1);
         a.quiet.add_permits(1);
-        for _ in 0..1000 {
-            if recv.progress().is_terminal() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        eventually(|| recv.progress().is_terminal()).await;
         assert!(matches!(recv.progress().state, TransferState::Failed(Error::LinkFailed { .. })));
         assert_eq!(core.memory().claimed_blocks(), 0);
     }
@@ -1854,21 +1859,11 @@ mod tests {
         let recv = core.expect(vec![1], 5, Duration::from_secs(30)).expect("expect");
         let id = recv.descriptor().id;
         core.rx_cancel(id);
-        for _ in 0..1000 {
-            if a.closed.load(Ordering::Acquire) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        eventually(|| a.closed.load(Ordering::Acquire)).await;
         assert!(a.closed.load(Ordering::Acquire), "the silent link was not closed");
         assert!(!recv.progress().is_terminal());
         a.quiet.add_permits(1);
-        for _ in 0..1000 {
-            if recv.progress().is_terminal() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        eventually(|| recv.progress().is_terminal()).await;
         assert!(recv.progress().is_terminal());
         assert_eq!(core.memory().claimed_blocks(), 0);
     }

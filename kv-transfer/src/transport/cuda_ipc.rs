@@ -213,6 +213,18 @@ struct Pulls {
 }
 
 impl Pulls {
+    /// Takes a free pull slot and enqueues `enqueue` in it; the slot goes back if that fails.
+    fn in_free_slot(&self, enqueue: impl FnOnce(usize) -> Result<PullEvent>) -> std::result::Result<(usize, PullEvent), String> {
+        let slot = lock(&self.free_slots).pop().ok_or("no free pull slot")?;
+        match enqueue(slot) {
+            Ok(pull) => Ok((slot, pull)),
+            Err(e) => {
+                lock(&self.free_slots).push(slot);
+                Err(e.to_string())
+            }
+        }
+    }
+
     /// Reports a finished batch (its kernels are waited for here), frees its slot, and acknowledges
     /// it to the sender.
     fn finish(&self, job: Job) {
@@ -573,14 +585,7 @@ impl CudaIpcTransport {
             let dsts: Vec<Blocks<'_>> =
                 batch.iter().map(|r| Blocks { base: self.memory.layer_base(r.dst_layer) as u64, num_blocks: self.memory.num_blocks(), ids: &r.dst_ids }).collect();
             let corrupt = batch.iter().position(|r| r.corrupt);
-            let slot = lock(&self.pulls.free_slots).pop().ok_or("no free pull slot")?;
-            let pull = match self.device.verify_written(slot, &dsts, bb, corrupt, after) {
-                Ok(p) => p,
-                Err(e) => {
-                    lock(&self.pulls.free_slots).push(slot);
-                    return Err(e.to_string());
-                }
-            };
+            let (slot, pull) = self.pulls.in_free_slot(|slot| self.device.verify_written(slot, &dsts, bb, corrupt, after))?;
             super::kv_trace!("ipc verification of {} written chunks enqueued", batch.len());
             return self.submit(link, pool, batch, slot, pull, permit);
         }
@@ -597,15 +602,8 @@ impl CudaIpcTransport {
             pool.push.as_ref().and_then(|p| batch.iter().map(|r| p.layer_bases.get(r.src_layer as usize).copied()).collect());
         let push = pool.push.as_ref().zip(push_bases.as_deref()).map(|(p, src_bases)| PushFrom { device: p.device, src_bases });
         let corrupt = batch.iter().position(|r| r.corrupt);
-        let slot = lock(&self.pulls.free_slots).pop().ok_or("no free pull slot")?;
         super::kv_trace!("ipc batch of {} enqueueing", batch.len());
-        let pull = match self.device.pull(slot, &chunks, bb, corrupt, push) {
-            Ok(p) => p,
-            Err(e) => {
-                lock(&self.pulls.free_slots).push(slot);
-                return Err(e.to_string());
-            }
-        };
+        let (slot, pull) = self.pulls.in_free_slot(|slot| self.device.pull(slot, &chunks, bb, corrupt, push))?;
         super::kv_trace!("ipc batch of {} enqueued", batch.len());
         self.submit(link, pool, batch, slot, pull, permit)
     }
