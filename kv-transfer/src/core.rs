@@ -1303,8 +1303,17 @@ impl SendJob {
                     _ = cancel.wait_for(|c| *c) => return Err(cancelled),
                 }
                 crate::transport::kv_trace!("tx {:x} layer {layer} pushed", desc.id);
+                // Whether the receiver granted this transfer to this link (checked per group: a
+                // fence revokes it).
+                // Only for the blocks and the content the receiver expects: what it would refuse at
+                // `Start` is never written into its pool.
+                let granted = link.writes_directly()
+                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 let ready = (*self.pushed.borrow()).min(num_layers);
-                let end = ready.min(layer + group);
+                // A link that writes granted transfers itself takes every ready layer at once: it
+                // enqueues all their copies in one go (the copy engines never wait for the next
+                // group) and cuts them into verification groups of its own.
+                let end = if granted { ready } else { ready.min(layer + group) };
                 let chunks: Vec<(u32, usize, usize)> = (layer..end)
                     .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
                     .collect();
@@ -1318,12 +1327,6 @@ impl SendJob {
                 // `Sums` frame follows), which keeps the checksum off the bytes' path; host pools
                 // (unless `sums_follow`) and the pacing hook sum each chunk before announcing it.
                 let later = (core.device.is_some() || core.config.sums_follow) && delay.is_none();
-                // Whether the receiver granted this transfer to this link (checked per group: a
-                // fence revokes it).
-                // Only for the blocks and the content the receiver expects: what it would refuse at
-                // `Start` is never written into its pool.
-                let granted = link.writes_directly()
-                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 for part in chunks.chunks(step) {
                     let sums = if later {
                         None

@@ -241,37 +241,54 @@ impl DeviceKv {
 
     /// Enqueues the copies of `chunks` — `(source blocks in this connector's pool, destination
     /// blocks in a receiver's pool as this GPU addresses it)` — on the write stream, one copy per
-    /// contiguous run (the copy engines; peer copies when the receiver's pool is on another GPU),
-    /// records the next write event behind them and returns its index. The caller holds the source
-    /// blocks until the receiver acknowledged them, and writes only blocks the receiver granted.
-    pub(crate) fn write(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize) -> Result<usize> {
+    /// contiguous run (the copy engines; peer copies when the receiver's pool is on another GPU), in
+    /// groups: group `g` is the chunks up to `group_ends[g]` (exclusive, increasing, the last one
+    /// `chunks.len()`), and the next write event is recorded behind each group's copies. Returns
+    /// each group's event index. The caller holds the source blocks until the receiver acknowledged
+    /// them, and writes only blocks the receiver granted.
+    pub(crate) fn write(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], group_ends: &[usize], block_bytes: usize) -> Result<Vec<usize>> {
         let in_range =
             chunks.iter().all(|(src, dst)| src.ids.len() == dst.ids.len() && src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
         if !in_range {
             return Err(Error::Invalid("a write of blocks outside a pool".into()));
         }
-        let runs = engine_runs(chunks.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes);
+        let ordered = group_ends.windows(2).all(|w| w[0] < w[1]) && group_ends.first().is_some_and(|&e| e > 0) && group_ends.last() == Some(&chunks.len());
+        if !ordered {
+            return Err(Error::Invalid("write groups that do not cut the chunks in order".into()));
+        }
+        let mut begin = 0;
+        let groups: Vec<Vec<(u64, u64, usize)>> = group_ends
+            .iter()
+            .map(|&end| {
+                let group = &chunks[begin..end];
+                begin = end;
+                engine_runs(group.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes)
+            })
+            .collect();
         self.with_writer(|w| {
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
-            crate::transport::kv_trace!("write: bound, {} copies to enqueue", runs.len());
-            for &(dst, src, bytes) in &runs {
-                // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by the
-                // transfer until the receiver acknowledged it), `dst` one of the receiver's pool as
-                // this context addresses it (its blocks granted to this transfer); both checked
-                // against their arrays' extents above; stream-ordered on the write stream.
-                unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
-                    .result()
-                    .map_err(err("writing KV blocks into the receiver's pool"))?;
+            crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
+            let mut events = Vec::with_capacity(groups.len());
+            for runs in &groups {
+                for &(dst, src, bytes) in runs {
+                    // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by the
+                    // transfer until the receiver acknowledged it), `dst` one of the receiver's pool as
+                    // this context addresses it (its blocks granted to this transfer); both checked
+                    // against their arrays' extents above; stream-ordered on the write stream.
+                    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
+                        .result()
+                        .map_err(err("writing KV blocks into the receiver's pool"))?;
+                }
+                let k = w.next;
+                w.next = (w.next + 1) % w.events.len();
+                // SAFETY: the events and the stream belong to this context.
+                unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+                // SAFETY: as above.
+                unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+                crate::transport::kv_trace!("write group of {} copies enqueued, event {k}", runs.len());
+                events.push(k);
             }
-            crate::transport::kv_trace!("write: copies enqueued");
-            let k = w.next;
-            w.next = (w.next + 1) % w.events.len();
-            // SAFETY: the events and the stream belong to this context.
-            unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
-            // SAFETY: as above.
-            unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
-            crate::transport::kv_trace!("write of {} chunks ({} copies) enqueued, event {k}", chunks.len(), runs.len());
-            Ok(k)
+            Ok(events)
         })
     }
 

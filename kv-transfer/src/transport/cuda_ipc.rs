@@ -861,8 +861,8 @@ impl IpcLink {
     }
 
     /// Messages (sender side), written at once; returns once they are written. Payloads the
-    /// receiver granted are first written into its pool here (one write event for the batch), when
-    /// the link writes.
+    /// receiver granted are first written into its pool here (in groups, a write event behind
+    /// each: see [`write_groups`]), when the link writes.
     async fn send_messages(&self, messages: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         // Held from before the writes to after the announcement: a link seen closed writes nothing.
         let mut guard = self.writer.lock().await;
@@ -870,13 +870,14 @@ impl IpcLink {
             return Err(self.state.err("link closed"));
         }
         super::kv_trace!("ipc send of {} messages: link locked", messages.len());
-        let written = match &self.dest {
-            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => Some(self.write_granted(dest, &messages)?),
-            _ => None,
-        };
+        let mut events = match &self.dest {
+            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => self.write_granted(dest, &messages)?,
+            _ => Vec::new(),
+        }
+        .into_iter();
         let mut out = Vec::new();
         for (header, payload) in messages {
-            let w = written.filter(|_| payload.dest().is_some());
+            let w = if payload.dest().is_some() { events.next() } else { None };
             let body = self.encode(&header, payload, w)?;
             if body.len() > MAX_MESSAGE {
                 return Err(Error::Invalid(format!("a cuda-ipc control message of {} bytes", body.len())));
@@ -892,9 +893,10 @@ impl IpcLink {
         Ok(())
     }
 
-    /// Writes the granted payloads of `messages` into the receiver's pool `dest` (one batch of
-    /// copies on the device's write stream); returns the write event behind them.
-    fn write_granted(&self, dest: &PeerPool, messages: &[(Vec<u8>, Payload)]) -> Result<usize> {
+    /// Writes the granted payloads of `messages` into the receiver's pool `dest` (copies on the
+    /// device's write stream, in the groups [`write_groups`] cuts); returns, for each granted
+    /// payload in order, the write event behind its group.
+    fn write_granted(&self, dest: &PeerPool, messages: &[(Vec<u8>, Payload)]) -> Result<Vec<usize>> {
         let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
         let bad = |why: &str| Error::Invalid(format!("cuda-ipc write: {why}"));
         let mut located = Vec::new();
@@ -917,7 +919,16 @@ impl IpcLink {
                 )
             })
             .collect();
-        transport.device.write(&chunks, transport.memory.geometry().block_bytes())
+        let bb = transport.memory.geometry().block_bytes();
+        let ends = write_groups(chunks.iter().map(|(src, _)| src.ids.len() * bb));
+        let events = transport.device.write(&chunks, &ends, bb)?;
+        let mut begin = 0;
+        let mut per_chunk = Vec::with_capacity(chunks.len());
+        for (&end, &event) in ends.iter().zip(&events) {
+            per_chunk.extend(std::iter::repeat_n(event, end - begin));
+            begin = end;
+        }
+        Ok(per_chunk)
     }
 
     /// A control message from the receiving side (acknowledgements).
@@ -1143,8 +1154,10 @@ impl Reader {
                             self.inbox.on_payload(link, token, Err("the sender wrote other blocks than this receiver named".into()));
                             return Err("a sender wrote blocks it was not given".into());
                         }
-                        if batch.last().is_some_and(|b| b.written.is_some() != written.is_some()) {
-                            // Written payloads are verified, others moved: a batch is of one kind.
+                        if batch.last().is_some_and(|b| b.written != written) {
+                            // Written payloads are verified, others moved: a batch is of one kind,
+                            // and written ones of one write event (each group is verified as soon
+                            // as its own writes landed).
                             self.flush(batch).await?;
                         }
                         batch.push(PullReq { token, seq, src_layer, src_ids, dst_layer, dst_ids, corrupt: flags & MSG_CORRUPT != 0, written });
@@ -1160,6 +1173,35 @@ impl Reader {
             k => Err(format!("unexpected cuda-ipc message {k}")),
         }
     }
+}
+
+/// Below this many bytes, the writes of a batch that are left go in one group.
+const WRITE_GROUP_MIN: usize = 16 << 20;
+
+/// How a sender cuts a batch of chunk writes (of these sizes, in order) into groups, each with a
+/// write event behind it that the receiver verifies the group behind: the ends of the groups
+/// (exclusive chunk indices). Each group takes about half of the bytes left (at least one chunk),
+/// until at most `WRITE_GROUP_MIN` are left, which go in one group: 256 MiB of 8 MiB chunks go as
+/// 128, 64, 32, 16 and 16 MiB. Few, big copies keep the copy engines at the link's rate (every
+/// copy boundary costs them a few microseconds); the halving keeps the receiver's verification of
+/// each group (several times faster than the link) done while the next group still moves, so what
+/// is left after the last byte landed is the verification of a small last group.
+fn write_groups(sizes: impl IntoIterator<Item = usize>) -> Vec<usize> {
+    let sizes: Vec<usize> = sizes.into_iter().collect();
+    let mut left: usize = sizes.iter().sum();
+    let mut ends = Vec::new();
+    let mut i = 0;
+    while i < sizes.len() {
+        let target = if left <= WRITE_GROUP_MIN { left } else { left / 2 };
+        let mut taken = 0;
+        while i < sizes.len() && (taken == 0 || taken < target) {
+            taken += sizes[i];
+            i += 1;
+        }
+        left -= taken;
+        ends.push(i);
+    }
+    ends
 }
 
 async fn write_message<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, kind: u8, body: &[u8]) -> std::io::Result<()> {
@@ -1210,5 +1252,54 @@ impl Cursor<'_> {
     }
     fn u64(&mut self) -> std::result::Result<u64, String> {
         Ok(u64::from_le_bytes(self.take()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn groups(sizes: &[usize]) -> Vec<usize> {
+        let ends = write_groups(sizes.iter().copied());
+        let mut begin = 0;
+        ends.iter()
+            .map(|&end| {
+                let bytes = sizes[begin..end].iter().sum::<usize>() / MIB;
+                begin = end;
+                bytes
+            })
+            .collect()
+    }
+
+    #[test]
+    fn big_batches_go_in_halving_groups_down_to_a_small_last_one() {
+        assert_eq!(groups(&[8 * MIB; 32]), [128, 64, 32, 16, 16]);
+        assert_eq!(groups(&[8 * MIB; 5]), [24, 16]);
+        assert_eq!(groups(&[16 * MIB; 2]), [16, 16]);
+        assert_eq!(groups(&[MIB; 16]), [16]);
+        assert_eq!(groups(&[64 * MIB]), [64]);
+        assert!(write_groups(std::iter::empty()).is_empty());
+    }
+
+    #[test]
+    fn groups_cut_every_batch_in_order_and_never_leave_a_chunk_out() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..500 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let n = (state % 70) as usize;
+            let sizes: Vec<usize> = (0..n).map(|i| ((state >> (i % 40)) as usize % (12 * MIB)) / 4096 * 4096 + 4096).collect();
+            let ends = write_groups(sizes.iter().copied());
+            assert_eq!(ends.last().copied().unwrap_or(0), n);
+            assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends.first().is_none_or(|&e| e > 0));
+            // The last group is small once the batch is big: at most WRITE_GROUP_MIN plus one chunk.
+            if let [.., a, b] = ends[..] {
+                let last: usize = sizes[a..b].iter().sum();
+                assert!(last <= WRITE_GROUP_MIN + 12 * MIB, "last group of {last} bytes");
+            }
+        }
     }
 }
