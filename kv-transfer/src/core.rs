@@ -891,6 +891,7 @@ impl Core {
         }
         let mut claim = self.memory.claim(&src_blocks, false)?;
         let released = claim.on_release();
+        crate::transport::kv_trace!("tx {:x} claimed", desc.id);
         let num_layers = self.memory.geometry().num_layers();
         let (pushed, pushed_rx) = watch::channel(if ready { num_layers } else { 0 });
         let (cancel, cancel_rx) = watch::channel(false);
@@ -1317,6 +1318,7 @@ impl SendJob {
                 let chunks: Vec<(u32, usize, usize)> = (layer..end)
                     .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
                     .collect();
+                crate::transport::kv_trace!("tx {:x} {} chunks listed", desc.id, chunks.len());
                 // Device pools checksum the whole group in one call and hand it to the transport at
                 // once; host pools checksum and send chunk by chunk (the receiver works on one
                 // chunk while the next is summed). The pacing test hook sends chunk by chunk too,

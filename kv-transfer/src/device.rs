@@ -256,6 +256,7 @@ impl DeviceKv {
         if !ordered {
             return Err(Error::Invalid("write groups that do not cut the chunks in order".into()));
         }
+        crate::transport::kv_trace!("write: checked");
         let mut begin = 0;
         let groups: Vec<Vec<(u64, u64, usize)>> = group_ends
             .iter()
@@ -265,7 +266,9 @@ impl DeviceKv {
                 engine_runs(group.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes)
             })
             .collect();
+        crate::transport::kv_trace!("write: runs made");
         self.with_writer(|w| {
+            crate::transport::kv_trace!("write: writer locked");
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
             crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
             let mut events = Vec::with_capacity(groups.len());

@@ -910,6 +910,7 @@ impl IpcLink {
             }
             located.push((layer, ids, base, d));
         }
+        super::kv_trace!("write: {} located", located.len());
         let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = located
             .iter()
             .map(|(layer, ids, base, d)| {
@@ -921,6 +922,7 @@ impl IpcLink {
             .collect();
         let bb = transport.memory.geometry().block_bytes();
         let ends = write_groups(chunks.iter().map(|(src, _)| src.ids.len() * bb));
+        super::kv_trace!("write: {} groups cut", ends.len());
         let events = transport.device.write(&chunks, &ends, bb)?;
         let mut begin = 0;
         let mut per_chunk = Vec::with_capacity(chunks.len());
