@@ -102,6 +102,9 @@ pub(crate) struct DeviceKv {
     writer: Mutex<Option<Writer>>,
 }
 
+/// One copy of contiguous bytes: `(destination address, source address, bytes)`.
+pub(crate) type CopyRun = (u64, u64, usize);
+
 /// How many interprocess events a writing sender records in turn (one per batch of writes).
 pub(crate) const WRITE_EVENTS: usize = 64;
 
@@ -239,45 +242,23 @@ impl DeviceKv {
         })
     }
 
-    /// Enqueues the copies of `chunks` — `(source blocks in this connector's pool, destination
-    /// blocks in a receiver's pool as this GPU addresses it)` — on the write stream, one copy per
-    /// contiguous run (the copy engines; peer copies when the receiver's pool is on another GPU), in
-    /// groups: group `g` is the chunks up to `group_ends[g]` (exclusive, increasing, the last one
-    /// `chunks.len()`), and the next write event is recorded behind each group's copies. Returns
-    /// each group's event index. The caller holds the source blocks until the receiver acknowledged
-    /// them, and writes only blocks the receiver granted.
-    pub(crate) fn write(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], group_ends: &[usize], block_bytes: usize) -> Result<Vec<usize>> {
-        let in_range =
-            chunks.iter().all(|(src, dst)| src.ids.len() == dst.ids.len() && src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
-        if !in_range {
-            return Err(Error::Invalid("a write of blocks outside a pool".into()));
-        }
-        let ordered = group_ends.windows(2).all(|w| w[0] < w[1]) && group_ends.first().is_some_and(|&e| e > 0) && group_ends.last() == Some(&chunks.len());
-        if !ordered {
-            return Err(Error::Invalid("write groups that do not cut the chunks in order".into()));
-        }
-        crate::transport::kv_trace!("write: checked");
-        let mut begin = 0;
-        let groups: Vec<Vec<(u64, u64, usize)>> = group_ends
-            .iter()
-            .map(|&end| {
-                let group = &chunks[begin..end];
-                begin = end;
-                engine_runs(group.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes)
-            })
-            .collect();
-        crate::transport::kv_trace!("write: runs made");
+    /// Enqueues the copies `(destination, source, bytes)` of `groups` on the write stream (the
+    /// copy engines; peer copies when the receiver's pool is on another GPU) and records the next
+    /// write event behind each group; returns each group's event index.
+    ///
+    /// # Safety
+    ///
+    /// Every source range must be whole blocks of this connector's pool that the caller holds (a
+    /// transfer's claim) until the receiver acknowledged them, and every destination range blocks
+    /// of a receiver's pool, as this GPU addresses it, that the receiver granted to the transfer.
+    pub(crate) unsafe fn write(&self, groups: &[Vec<CopyRun>]) -> Result<Vec<usize>> {
         self.with_writer(|w| {
-            crate::transport::kv_trace!("write: writer locked");
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
             crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
             let mut events = Vec::with_capacity(groups.len());
-            for runs in &groups {
+            for runs in groups {
                 for &(dst, src, bytes) in runs {
-                    // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by the
-                    // transfer until the receiver acknowledged it), `dst` one of the receiver's pool as
-                    // this context addresses it (its blocks granted to this transfer); both checked
-                    // against their arrays' extents above; stream-ordered on the write stream.
+                    // SAFETY: the caller's contract above; stream-ordered on the write stream.
                     unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
                         .result()
                         .map_err(err("writing KV blocks into the receiver's pool"))?;
