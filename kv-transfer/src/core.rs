@@ -35,6 +35,10 @@ pub const MAX_CHUNK_BLOCKS: u32 = 256;
 /// The most layers a sender hands the transport at once (groups grow 1, 2, 4, ... up to this).
 const MAX_GROUP_LAYERS: u32 = 16;
 
+/// A sender whose link writes granted transfers itself hands the link the first
+/// `1 / FIRST_WRITE_DIV` of the ready layers first, then the rest (see `SendJob::body`).
+const FIRST_WRITE_DIV: u32 = 8;
+
 /// Block ranges whose iovecs a receiver keeps per transfer (a sender cuts every layer the same
 /// way, so a few; one that cuts each layer differently only misses the shortcut).
 const MAX_IOV_PATTERNS: usize = 64;
@@ -1333,10 +1337,15 @@ impl SendJob {
                 let granted = link.writes_directly()
                     && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 let ready = (*self.pushed.borrow()).min(num_layers);
-                // A link that writes granted transfers itself takes every ready layer at once: it
-                // enqueues all their copies in one go (the copy engines never wait for the next
-                // group) and cuts them into verification groups of its own.
-                let end = if granted { ready } else { ready.min(layer + group) };
+                // A link that writes granted transfers itself takes the ready layers in two steps:
+                // the first eighth (the copy engines start on it at once), then all the rest in one
+                // go, prepared while the first moves (its copies outlast that host work, so the
+                // engines never wait); the link cuts verification groups of its own.
+                let end = match granted {
+                    true if layer == 0 => ready.div_ceil(FIRST_WRITE_DIV),
+                    true => ready,
+                    false => ready.min(layer + group),
+                };
                 let chunks: Vec<(u32, usize, usize)> = (layer..end)
                     .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
                     .collect();
