@@ -1280,7 +1280,11 @@ fn write_groups(sizes: impl IntoIterator<Item = usize>) -> Vec<usize> {
     let mut ends = Vec::new();
     let mut i = 0;
     while i < sizes.len() {
-        let target = if left <= WRITE_GROUP_MIN { left } else { left / 2 };
+        let min = {
+            static V: OnceLock<usize> = OnceLock::new();
+            *V.get_or_init(|| std::env::var("TANDEM_X_GROUP_MIN_MIB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(WRITE_GROUP_MIN, |m| m << 20))
+        };
+        let target = if left <= min { left } else { left / 2 };
         let mut taken = 0;
         while i < sizes.len() && (taken == 0 || taken < target) {
             taken += sizes[i];
