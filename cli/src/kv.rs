@@ -222,14 +222,7 @@ async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32) -> anyhow::Result<
     // A decode node hands the descriptor to the prefill node through a gRPC call (hundreds of
     // microseconds) while the receiver's grant travels to a sender that writes directly: give it
     // that head start, outside the timed part.
-    if std::env::var_os("TANDEM_BENCH_SPIN").is_some() {
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_millis(1) {
-            std::hint::spin_loop();
-        }
-    } else {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    tokio::time::sleep(Duration::from_millis(1)).await;
     let t = Instant::now();
     let mut send = tx.send_ready(recv.descriptor(), ids, 0, None)?;
     recv.wait().await?;

@@ -39,11 +39,6 @@ const MAX_GROUP_LAYERS: u32 = 16;
 /// `1 / FIRST_WRITE_DIV` of the ready layers first, then the rest (see `SendJob::body`).
 const FIRST_WRITE_DIV: u32 = 8;
 
-fn first_write_div() -> u32 {
-    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("TANDEM_X_FIRST_DIV").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(FIRST_WRITE_DIV))
-}
-
 /// Block ranges whose iovecs a receiver keeps per transfer (a sender cuts every layer the same
 /// way, so a few; one that cuts each layer differently only misses the shortcut).
 const MAX_IOV_PATTERNS: usize = 64;
@@ -1347,7 +1342,7 @@ impl SendJob {
                 // go, prepared while the first moves (its copies outlast that host work, so the
                 // engines never wait); the link cuts verification groups of its own.
                 let end = match granted {
-                    true if layer == 0 => ready.div_ceil(first_write_div()),
+                    true if layer == 0 => ready.div_ceil(FIRST_WRITE_DIV),
                     true => ready,
                     false => ready.min(layer + group),
                 };

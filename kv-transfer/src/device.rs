@@ -105,7 +105,7 @@ pub(crate) struct DeviceKv {
 /// One copy of contiguous bytes: `(destination address, source address, bytes)`.
 pub(crate) type CopyRun = (u64, u64, usize);
 
-/// How many interprocess events a writing sender records in turn (one per batch of writes).
+/// How many interprocess events a writing sender records in turn (one per group of writes).
 pub(crate) const WRITE_EVENTS: usize = 64;
 
 /// A sender's write lane: a stream of its GPU on which its copies into receivers' pools run, and a

@@ -1263,14 +1263,16 @@ fn push_run(runs: &mut Vec<CopyRun>, dst: u64, src: u64, bytes: usize) {
     }
 }
 
-/// Below this many bytes, the writes of a batch that are left go in one group.
-const WRITE_GROUP_MIN: usize = 16 << 20;
+/// Below this many bytes, the writes of a batch that are left go in one group. (16 MiB and 8 MiB
+/// measured slower across two H100s: every group is a batch the receiver enqueues, at tens of
+/// microseconds of host time, and those must be done before the last byte lands.)
+const WRITE_GROUP_MIN: usize = 32 << 20;
 
 /// How a sender cuts a batch of chunk writes (of these sizes, in order) into groups, each with a
 /// write event behind it that the receiver verifies the group behind: the ends of the groups
 /// (exclusive chunk indices). Each group takes about half of the bytes left (at least one chunk),
 /// until at most `WRITE_GROUP_MIN` are left, which go in one group: 256 MiB of 8 MiB chunks go as
-/// 128, 64, 32, 16 and 16 MiB. Few, big copies keep the copy engines at the link's rate (every
+/// 128, 64, 32 and 32 MiB. Few, big copies keep the copy engines at the link's rate (every
 /// copy boundary costs them a few microseconds); the halving keeps the receiver's verification of
 /// each group (several times faster than the link) done while the next group still moves, so what
 /// is left after the last byte landed is the verification of a small last group.
@@ -1280,11 +1282,7 @@ fn write_groups(sizes: impl IntoIterator<Item = usize>) -> Vec<usize> {
     let mut ends = Vec::new();
     let mut i = 0;
     while i < sizes.len() {
-        let min = {
-            static V: OnceLock<usize> = OnceLock::new();
-            *V.get_or_init(|| std::env::var("TANDEM_X_GROUP_MIN_MIB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(WRITE_GROUP_MIN, |m| m << 20))
-        };
-        let target = if left <= min { left } else { left / 2 };
+        let target = if left <= WRITE_GROUP_MIN { left } else { left / 2 };
         let mut taken = 0;
         while i < sizes.len() && (taken == 0 || taken < target) {
             taken += sizes[i];
@@ -1437,9 +1435,10 @@ mod tests {
 
     #[test]
     fn big_batches_go_in_halving_groups_down_to_a_small_last_one() {
-        assert_eq!(groups(&[8 * MIB; 32]), [128, 64, 32, 16, 16]);
+        assert_eq!(groups(&[8 * MIB; 32]), [128, 64, 32, 32]);
+        assert_eq!(groups(&[8 * MIB; 28]), [112, 56, 32, 24]);
         assert_eq!(groups(&[8 * MIB; 5]), [24, 16]);
-        assert_eq!(groups(&[16 * MIB; 2]), [16, 16]);
+        assert_eq!(groups(&[16 * MIB; 2]), [32]);
         assert_eq!(groups(&[MIB; 16]), [16]);
         assert_eq!(groups(&[64 * MIB]), [64]);
         assert!(write_groups(std::iter::empty()).is_empty());
