@@ -145,6 +145,8 @@ struct PeerPool {
     /// The peer is this very process (same id and same [`process_token`]: processes of two
     /// containers may share an id, and then their pointers must never be taken for ours).
     same_process: bool,
+    /// The pool lies on this connector's own GPU.
+    same_gpu: bool,
     /// Receiver side of a link whose sender writes: the sender's write events as this process
     /// addresses them (raw `CUevent`s), and those opened from handles (destroyed with the pool).
     sender_events: Vec<u64>,
@@ -510,7 +512,7 @@ impl CudaIpcTransport {
             *slot = r.u8()?;
         }
         let own = self.ordinal;
-        let (mapping, local, mapped, push) = if same_process {
+        let (mapping, local, mapped, push, same_gpu) = if same_process {
             // CUDA refuses to open a handle in the process that exported it: the sender's own
             // addresses serve (its memory kept alive through the registry), and if its pool lies on
             // another GPU, this GPU's kernels need peer access to it (another process's mapping gets
@@ -519,14 +521,16 @@ impl CudaIpcTransport {
             let theirs = crate::device::device_of(own, base).map_err(|e| e.to_string())?;
             crate::device::enable_peer_access(own, theirs).map_err(|e| e.to_string())?;
             let push = if pushes { pusher(theirs, own, || Ok((None, base))) } else { None };
-            (None, Some(local), base, push)
+            (None, Some(local), base, push, theirs == own)
         } else {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
                 .map_err(|e| format!("opening the sender's pool (cuIpcOpenMemHandle): {e}"))?;
             let p = m.ptr();
             // Which of our GPUs the pool lies on: the one with the UUID the sender named (a
             // mapping's device attribute does not say).
-            let push = match crate::device::ordinal_of(&uuid) {
+            let theirs = crate::device::ordinal_of(&uuid);
+            let same_gpu = theirs.as_ref().is_ok_and(|&t| t == own);
+            let push = match theirs {
                 _ if !pushes => None,
                 Ok(theirs) => pusher(theirs, own, || {
                     let ctx = crate::device::context(theirs).map_err(|e| e.to_string())?;
@@ -539,7 +543,7 @@ impl CudaIpcTransport {
                     None
                 }
             };
-            (Some(m), None, p, push)
+            (Some(m), None, p, push, same_gpu)
         };
         let push = push.map(|(device, mapping, at)| PushSource { device, layer_bases: offsets.iter().map(|o| at + o).collect(), _mapping: mapping });
         let rest = r.buf;
@@ -553,6 +557,7 @@ impl CudaIpcTransport {
                 push,
                 pid,
                 same_process,
+                same_gpu,
                 sender_events: Vec::new(),
                 _opened_events: Vec::new(),
             },
@@ -930,7 +935,10 @@ impl IpcLink {
             let (copies, blocks) = pair_runs(memory, payload.iovs(), base, &dst_runs).map_err(bad)?;
             per_chunk.push((copies, blocks * bb));
         }
-        let ends = write_groups(per_chunk.iter().map(|(_, bytes)| *bytes));
+        // On one GPU the verification reads as fast as the copy writes: groups buy nothing there
+        // but the receiver's launches.
+        let min = if dest.same_gpu { usize::MAX } else { WRITE_GROUP_MIN };
+        let ends = write_groups(per_chunk.iter().map(|(_, bytes)| *bytes), min);
         super::kv_trace!("write: {} chunks located, {} groups", per_chunk.len(), ends.len());
         let mut chunks = per_chunk.into_iter();
         let mut begin = 0;
@@ -1152,7 +1160,7 @@ impl Reader {
                     return Err(format!("a payload of {n} blocks"));
                 }
                 // (For a payload the sender wrote itself, these are the blocks it wrote, ours.)
-                let src_ids = (0..n).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>()?;
+                let src_ids = r.u32s(n as usize)?;
                 let written = if flags & MSG_WRITTEN != 0 {
                     let event = r.u32()?;
                     let known = self.link.pool.as_ref().is_some_and(|p| (event as usize) < p.sender_events.len());
@@ -1271,18 +1279,18 @@ const WRITE_GROUP_MIN: usize = 32 << 20;
 /// How a sender cuts a batch of chunk writes (of these sizes, in order) into groups, each with a
 /// write event behind it that the receiver verifies the group behind: the ends of the groups
 /// (exclusive chunk indices). Each group takes about half of the bytes left (at least one chunk),
-/// until at most `WRITE_GROUP_MIN` are left, which go in one group: 256 MiB of 8 MiB chunks go as
-/// 128, 64, 32 and 32 MiB. Few, big copies keep the copy engines at the link's rate (every
+/// until at most `min` are left, which go in one group: with `WRITE_GROUP_MIN`, 256 MiB of 8 MiB
+/// chunks go as 128, 64, 32 and 32 MiB. Few, big copies keep the copy engines at the link's rate (every
 /// copy boundary costs them a few microseconds); the halving keeps the receiver's verification of
 /// each group (several times faster than the link) done while the next group still moves, so what
 /// is left after the last byte landed is the verification of a small last group.
-fn write_groups(sizes: impl IntoIterator<Item = usize>) -> Vec<usize> {
+fn write_groups(sizes: impl IntoIterator<Item = usize>, min: usize) -> Vec<usize> {
     let sizes: Vec<usize> = sizes.into_iter().collect();
     let mut left: usize = sizes.iter().sum();
     let mut ends = Vec::new();
     let mut i = 0;
     while i < sizes.len() {
-        let target = if left <= WRITE_GROUP_MIN { left } else { left / 2 };
+        let target = if left <= min { left } else { left / 2 };
         let mut taken = 0;
         while i < sizes.len() && (taken == 0 || taken < target) {
             taken += sizes[i];
@@ -1343,6 +1351,13 @@ impl Cursor<'_> {
     fn u64(&mut self) -> std::result::Result<u64, String> {
         Ok(u64::from_le_bytes(self.take()?))
     }
+    /// `n` little-endian `u32`s (a chunk's block ids), read in one go.
+    fn u32s(&mut self, n: usize) -> std::result::Result<Vec<u32>, String> {
+        let bytes = n.checked_mul(4).filter(|&b| b <= self.buf.len()).ok_or("control message too short")?;
+        let (head, tail) = self.buf.split_at(bytes);
+        self.buf = tail;
+        Ok(head.chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes"))).collect())
+    }
 }
 
 #[cfg(test)]
@@ -1352,7 +1367,7 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     fn groups(sizes: &[usize]) -> Vec<usize> {
-        let ends = write_groups(sizes.iter().copied());
+        let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN);
         let mut begin = 0;
         ends.iter()
             .map(|&end| {
@@ -1441,7 +1456,8 @@ mod tests {
         assert_eq!(groups(&[16 * MIB; 2]), [32]);
         assert_eq!(groups(&[MIB; 16]), [16]);
         assert_eq!(groups(&[64 * MIB]), [64]);
-        assert!(write_groups(std::iter::empty()).is_empty());
+        assert!(write_groups(std::iter::empty(), WRITE_GROUP_MIN).is_empty());
+        assert_eq!(write_groups([8 * MIB; 32], usize::MAX), [32]);
     }
 
     #[test]
@@ -1450,7 +1466,7 @@ mod tests {
         for _ in 0..500 {
             let n = (xorshift(&mut state) % 70) as usize;
             let sizes: Vec<usize> = (0..n).map(|i| ((state >> (i % 40)) as usize % (12 * MIB)) / 4096 * 4096 + 4096).collect();
-            let ends = write_groups(sizes.iter().copied());
+            let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN);
             assert_eq!(ends.last().copied().unwrap_or(0), n);
             assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends.first().is_none_or(|&e| e > 0));
             // The last group is small once the batch is big: at most WRITE_GROUP_MIN plus one chunk.
