@@ -35,6 +35,14 @@ pub const MAX_CHUNK_BLOCKS: u32 = 256;
 /// The most layers a sender hands the transport at once (groups grow 1, 2, 4, ... up to this).
 const MAX_GROUP_LAYERS: u32 = 16;
 
+/// A sender whose link writes granted transfers itself hands the link the first
+/// `1 / FIRST_WRITE_DIV` of the ready layers first, then the rest (see `SendJob::body`).
+const FIRST_WRITE_DIV: u32 = 8;
+
+/// Block ranges whose iovecs a receiver keeps per transfer (a sender cuts every layer the same
+/// way, so a few; one that cuts each layer differently only misses the shortcut).
+const MAX_IOV_PATTERNS: usize = 64;
+
 /// Chunks of one transfer a receiver holds unsettled at once — landing, or landed and waiting for
 /// their sender checksum (a transport that pipelines, like cuda-ipc, has several in flight; a sender
 /// that announces more is refused).
@@ -89,6 +97,9 @@ struct RxTransfer {
     /// Where the next announced chunk must start (chunks come in order).
     next_layer: u32,
     next_block: u32,
+    /// The iovecs of each block range `(start, count)` chunks announced, in the layer of the first
+    /// one (every layer lands in the same blocks: later layers' are these, moved).
+    iov_patterns: Vec<((u32, u32), u32, Vec<Iov>)>,
     /// Chunks announced and not yet settled, oldest first: landing (the transport reports them in
     /// order), or landed and waiting for their sender checksum.
     pending: VecDeque<PendingChunk>,
@@ -351,6 +362,7 @@ impl Core {
             link: None,
             next_layer: 0,
             next_block: 0,
+            iov_patterns: Vec::new(),
             pending: VecDeque::new(),
             landed_blocks: 0,
             doomed: None,
@@ -726,7 +738,19 @@ impl Core {
             return Delivery::Discard;
         }
         let start = h.block_start as usize;
-        let iovs = self.memory.iovs(h.layer, &t.blocks[start..start + h.block_count as usize]);
+        // Every layer lands in the same blocks: a chunk's iovecs are those of the same range one
+        // layer before, moved.
+        let range = (h.block_start, h.block_count);
+        let iovs = match t.iov_patterns.iter().find(|p| p.0 == range) {
+            Some((_, of, pattern)) => self.memory.iovs_moved(pattern, *of, h.layer),
+            None => {
+                let iovs = self.memory.iovs(h.layer, &t.blocks[start..start + h.block_count as usize]);
+                if t.iov_patterns.len() < MAX_IOV_PATTERNS {
+                    t.iov_patterns.push((range, h.layer, iovs.clone()));
+                }
+                iovs
+            }
+        };
         t.next_block += h.block_count;
         if t.next_block as usize == t.blocks.len() {
             t.next_block = 0;
@@ -891,6 +915,7 @@ impl Core {
         }
         let mut claim = self.memory.claim(&src_blocks, false)?;
         let released = claim.on_release();
+        crate::transport::kv_trace!("tx {:x} claimed", desc.id);
         let num_layers = self.memory.geometry().num_layers();
         let (pushed, pushed_rx) = watch::channel(if ready { num_layers } else { 0 });
         let (cancel, cancel_rx) = watch::channel(false);
@@ -1291,6 +1316,8 @@ impl SendJob {
             let mut first_sent = false;
             // Chunks announced unsummed whose checksums have not been sent yet.
             let mut unsummed: Vec<(u32, usize, usize)> = Vec::new();
+            // Each chunk's iovecs in the first layer sent: every layer sends the same blocks.
+            let mut patterns: Vec<Option<(u32, Vec<Iov>)>> = vec![None; n.div_ceil(per_chunk)];
             while layer < num_layers {
                 // Wait until the owner pushed this layer, unless the receiver already gave up.
                 tokio::select! {
@@ -1303,11 +1330,26 @@ impl SendJob {
                     _ = cancel.wait_for(|c| *c) => return Err(cancelled),
                 }
                 crate::transport::kv_trace!("tx {:x} layer {layer} pushed", desc.id);
+                // Whether the receiver granted this transfer to this link (checked per group: a
+                // fence revokes it).
+                // Only for the blocks and the content the receiver expects: what it would refuse at
+                // `Start` is never written into its pool.
+                let granted = link.writes_directly()
+                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 let ready = (*self.pushed.borrow()).min(num_layers);
-                let end = ready.min(layer + group);
+                // A link that writes granted transfers itself takes the ready layers in two steps:
+                // the first eighth (the copy engines start on it at once), then all the rest in one
+                // go, prepared while the first moves (its copies outlast that host work, so the
+                // engines never wait); the link cuts verification groups of its own.
+                let end = match granted {
+                    true if layer == 0 => ready.div_ceil(FIRST_WRITE_DIV),
+                    true => ready,
+                    false => ready.min(layer + group),
+                };
                 let chunks: Vec<(u32, usize, usize)> = (layer..end)
                     .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
                     .collect();
+                crate::transport::kv_trace!("tx {:x} {} chunks listed", desc.id, chunks.len());
                 // Device pools checksum the whole group in one call and hand it to the transport at
                 // once; host pools checksum and send chunk by chunk (the receiver works on one
                 // chunk while the next is summed). The pacing test hook sends chunk by chunk too,
@@ -1318,12 +1360,6 @@ impl SendJob {
                 // `Sums` frame follows), which keeps the checksum off the bytes' path; host pools
                 // (unless `sums_follow`) and the pacing hook sum each chunk before announcing it.
                 let later = (core.device.is_some() || core.config.sums_follow) && delay.is_none();
-                // Whether the receiver granted this transfer to this link (checked per group: a
-                // fence revokes it).
-                // Only for the blocks and the content the receiver expects: what it would refuse at
-                // `Start` is never written into its pool.
-                let granted = link.writes_directly()
-                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 for part in chunks.chunks(step) {
                     let sums = if later {
                         None
@@ -1348,7 +1384,15 @@ impl SendJob {
                         };
                         let frame = if sums.is_some() { Frame::Chunk(header) } else { Frame::ChunkUnsummed(header) };
                         let hold: Arc<dyn Send + Sync> = Arc::clone(&self.claim) as Arc<dyn Send + Sync>;
-                        let mut payload = Payload::new(memory.iovs(l, blocks), hold);
+                        let iovs = match &patterns[first / per_chunk] {
+                            Some((of, pattern)) => memory.iovs_moved(pattern, *of, l),
+                            None => {
+                                let iovs = memory.iovs(l, blocks);
+                                patterns[first / per_chunk] = Some((l, iovs.clone()));
+                                iovs
+                            }
+                        };
+                        let mut payload = Payload::new(iovs, hold);
                         if granted {
                             // The receiver granted this transfer: the link writes its blocks itself.
                             let dest = crate::transport::Dest { layer: l, blocks: desc.dst_blocks[first..first + count].to_vec() };

@@ -102,7 +102,10 @@ pub(crate) struct DeviceKv {
     writer: Mutex<Option<Writer>>,
 }
 
-/// How many interprocess events a writing sender records in turn (one per batch of writes).
+/// One copy of contiguous bytes: `(destination address, source address, bytes)`.
+pub(crate) type CopyRun = (u64, u64, usize);
+
+/// How many interprocess events a writing sender records in turn (one per group of writes).
 pub(crate) const WRITE_EVENTS: usize = 64;
 
 /// A sender's write lane: a stream of its GPU on which its copies into receivers' pools run, and a
@@ -239,39 +242,37 @@ impl DeviceKv {
         })
     }
 
-    /// Enqueues the copies of `chunks` — `(source blocks in this connector's pool, destination
-    /// blocks in a receiver's pool as this GPU addresses it)` — on the write stream, one copy per
-    /// contiguous run (the copy engines; peer copies when the receiver's pool is on another GPU),
-    /// records the next write event behind them and returns its index. The caller holds the source
-    /// blocks until the receiver acknowledged them, and writes only blocks the receiver granted.
-    pub(crate) fn write(&self, chunks: &[(Blocks<'_>, Blocks<'_>)], block_bytes: usize) -> Result<usize> {
-        let in_range =
-            chunks.iter().all(|(src, dst)| src.ids.len() == dst.ids.len() && src.ids.iter().all(|&a| a < src.num_blocks) && dst.ids.iter().all(|&b| b < dst.num_blocks));
-        if !in_range {
-            return Err(Error::Invalid("a write of blocks outside a pool".into()));
-        }
-        let runs = engine_runs(chunks.iter().map(|(src, dst)| (src.base, *src, *dst)), block_bytes);
+    /// Enqueues the copies `(destination, source, bytes)` of `groups` on the write stream (the
+    /// copy engines; peer copies when the receiver's pool is on another GPU) and records the next
+    /// write event behind each group; returns each group's event index.
+    ///
+    /// # Safety
+    ///
+    /// Every source range must be whole blocks of this connector's pool that the caller holds (a
+    /// transfer's claim) until the receiver acknowledged them, and every destination range blocks
+    /// of a receiver's pool, as this GPU addresses it, that the receiver granted to the transfer.
+    pub(crate) unsafe fn write(&self, groups: &[Vec<CopyRun>]) -> Result<Vec<usize>> {
         self.with_writer(|w| {
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
-            crate::transport::kv_trace!("write: bound, {} copies to enqueue", runs.len());
-            for &(dst, src, bytes) in &runs {
-                // SAFETY: `src` is a run of whole blocks of this connector's pool (claimed by the
-                // transfer until the receiver acknowledged it), `dst` one of the receiver's pool as
-                // this context addresses it (its blocks granted to this transfer); both checked
-                // against their arrays' extents above; stream-ordered on the write stream.
-                unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
-                    .result()
-                    .map_err(err("writing KV blocks into the receiver's pool"))?;
+            crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
+            let mut events = Vec::with_capacity(groups.len());
+            for runs in groups {
+                for &(dst, src, bytes) in runs {
+                    // SAFETY: the caller's contract above; stream-ordered on the write stream.
+                    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
+                        .result()
+                        .map_err(err("writing KV blocks into the receiver's pool"))?;
+                }
+                let k = w.next;
+                w.next = (w.next + 1) % w.events.len();
+                // SAFETY: the events and the stream belong to this context.
+                unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+                // SAFETY: as above.
+                unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+                crate::transport::kv_trace!("write group of {} copies enqueued, event {k}", runs.len());
+                events.push(k);
             }
-            crate::transport::kv_trace!("write: copies enqueued");
-            let k = w.next;
-            w.next = (w.next + 1) % w.events.len();
-            // SAFETY: the events and the stream belong to this context.
-            unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
-            // SAFETY: as above.
-            unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
-            crate::transport::kv_trace!("write of {} chunks ({} copies) enqueued, event {k}", chunks.len(), runs.len());
-            Ok(k)
+            Ok(events)
         })
     }
 

@@ -246,6 +246,32 @@ impl KvMemory {
         out
     }
 
+    /// `iovs(layer, blocks)` made from `pattern`, the iovecs of the same blocks in layer `of`: each
+    /// piece moved by the distance between the two layers' arrays. O(pieces) where `iovs` is
+    /// O(blocks): a transfer sends the same blocks of every layer.
+    pub(crate) fn iovs_moved(&self, pattern: &[Iov], of: u32, layer: u32) -> Vec<Iov> {
+        let (from, to) = (self.layers[of as usize], self.layers[layer as usize]);
+        pattern.iter().map(|iov| Iov { addr: iov.addr - from + to, ..*iov }).collect()
+    }
+
+    /// Whether `iovs` cover exactly `ids` of `layer`, in order (no allocation; O(blocks)).
+    pub(crate) fn covers(&self, iovs: &[Iov], layer: u32, ids: &[u32]) -> bool {
+        let bb = self.geometry.block_bytes();
+        let mut ids = ids.iter();
+        for iov in iovs {
+            let Some((l, first, n)) = self.locate(iov) else { return false };
+            if l != layer || bb == 0 {
+                return false;
+            }
+            for b in first..first + n {
+                if ids.next() != Some(&b) {
+                    return false;
+                }
+            }
+        }
+        ids.next().is_none()
+    }
+
     /// Checks that `blocks` are in range and distinct.
     pub(crate) fn check_blocks(&self, blocks: &[u32]) -> Result<()> {
         let mut seen = vec![false; self.num_blocks as usize];

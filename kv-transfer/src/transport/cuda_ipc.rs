@@ -47,7 +47,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::core::lock;
-use crate::device::{Blocks, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom};
+use crate::device::{Blocks, CopyRun, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
@@ -145,6 +145,8 @@ struct PeerPool {
     /// The peer is this very process (same id and same [`process_token`]: processes of two
     /// containers may share an id, and then their pointers must never be taken for ours).
     same_process: bool,
+    /// The pool lies on this connector's own GPU.
+    same_gpu: bool,
     /// Receiver side of a link whose sender writes: the sender's write events as this process
     /// addresses them (raw `CUevent`s), and those opened from handles (destroyed with the pool).
     sender_events: Vec<u64>,
@@ -510,7 +512,7 @@ impl CudaIpcTransport {
             *slot = r.u8()?;
         }
         let own = self.ordinal;
-        let (mapping, local, mapped, push) = if same_process {
+        let (mapping, local, mapped, push, same_gpu) = if same_process {
             // CUDA refuses to open a handle in the process that exported it: the sender's own
             // addresses serve (its memory kept alive through the registry), and if its pool lies on
             // another GPU, this GPU's kernels need peer access to it (another process's mapping gets
@@ -519,14 +521,16 @@ impl CudaIpcTransport {
             let theirs = crate::device::device_of(own, base).map_err(|e| e.to_string())?;
             crate::device::enable_peer_access(own, theirs).map_err(|e| e.to_string())?;
             let push = if pushes { pusher(theirs, own, || Ok((None, base))) } else { None };
-            (None, Some(local), base, push)
+            (None, Some(local), base, push, theirs == own)
         } else {
             let m = tandem_kernels::cuda::IpcMapping::open(&self.device.context(), &handle)
                 .map_err(|e| format!("opening the sender's pool (cuIpcOpenMemHandle): {e}"))?;
             let p = m.ptr();
             // Which of our GPUs the pool lies on: the one with the UUID the sender named (a
             // mapping's device attribute does not say).
-            let push = match crate::device::ordinal_of(&uuid) {
+            let theirs = crate::device::ordinal_of(&uuid);
+            let same_gpu = theirs.as_ref().is_ok_and(|&t| t == own);
+            let push = match theirs {
                 _ if !pushes => None,
                 Ok(theirs) => pusher(theirs, own, || {
                     let ctx = crate::device::context(theirs).map_err(|e| e.to_string())?;
@@ -539,7 +543,7 @@ impl CudaIpcTransport {
                     None
                 }
             };
-            (Some(m), None, p, push)
+            (Some(m), None, p, push, same_gpu)
         };
         let push = push.map(|(device, mapping, at)| PushSource { device, layer_bases: offsets.iter().map(|o| at + o).collect(), _mapping: mapping });
         let rest = r.buf;
@@ -553,6 +557,7 @@ impl CudaIpcTransport {
                 push,
                 pid,
                 same_process,
+                same_gpu,
                 sender_events: Vec::new(),
                 _opened_events: Vec::new(),
             },
@@ -828,6 +833,7 @@ impl IpcLink {
             msg.push(MSG_WRITTEN | if corrupt { MSG_CORRUPT } else { 0 });
             msg.extend_from_slice(&dest.layer.to_le_bytes());
             msg.extend_from_slice(&(dest.blocks.len() as u32).to_le_bytes());
+            msg.reserve(4 * dest.blocks.len() + 4 + header.len());
             for id in &dest.blocks {
                 msg.extend_from_slice(&id.to_le_bytes());
             }
@@ -861,8 +867,8 @@ impl IpcLink {
     }
 
     /// Messages (sender side), written at once; returns once they are written. Payloads the
-    /// receiver granted are first written into its pool here (one write event for the batch), when
-    /// the link writes.
+    /// receiver granted are first written into its pool here (in groups, a write event behind
+    /// each: see [`write_groups`]), when the link writes.
     async fn send_messages(&self, messages: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         // Held from before the writes to after the announcement: a link seen closed writes nothing.
         let mut guard = self.writer.lock().await;
@@ -870,13 +876,14 @@ impl IpcLink {
             return Err(self.state.err("link closed"));
         }
         super::kv_trace!("ipc send of {} messages: link locked", messages.len());
-        let written = match &self.dest {
-            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => Some(self.write_granted(dest, &messages)?),
-            _ => None,
-        };
+        let mut events = match &self.dest {
+            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => self.write_granted(dest, &messages)?,
+            _ => Vec::new(),
+        }
+        .into_iter();
         let mut out = Vec::new();
         for (header, payload) in messages {
-            let w = written.filter(|_| payload.dest().is_some());
+            let w = if payload.dest().is_some() { events.next() } else { None };
             let body = self.encode(&header, payload, w)?;
             if body.len() > MAX_MESSAGE {
                 return Err(Error::Invalid(format!("a cuda-ipc control message of {} bytes", body.len())));
@@ -892,32 +899,75 @@ impl IpcLink {
         Ok(())
     }
 
-    /// Writes the granted payloads of `messages` into the receiver's pool `dest` (one batch of
-    /// copies on the device's write stream); returns the write event behind them.
-    fn write_granted(&self, dest: &PeerPool, messages: &[(Vec<u8>, Payload)]) -> Result<usize> {
+    /// Writes the granted payloads of `messages` into the receiver's pool `dest` (copies on the
+    /// device's write stream, in the groups [`write_groups`] cuts); returns, for each granted
+    /// payload in order, the write event behind its group.
+    ///
+    /// The copies are made from runs, not blocks: a payload's iovecs are already its contiguous
+    /// runs, and a transfer names the same destination blocks in every layer, so their runs are
+    /// made once (this is on the path between `send_ready` and the first byte moving).
+    fn write_granted(&self, dest: &PeerPool, messages: &[(Vec<u8>, Payload)]) -> Result<Vec<usize>> {
         let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
+        let memory = &transport.memory;
+        let bb = memory.geometry().block_bytes();
         let bad = |why: &str| Error::Invalid(format!("cuda-ipc write: {why}"));
-        let mut located = Vec::new();
+        // Per granted payload: its copies `(destination, source, bytes)`, and its bytes.
+        let mut per_chunk: Vec<(Vec<CopyRun>, usize)> = Vec::new();
+        // The last destination's block ids, and their runs `(first block, blocks)`.
+        let mut last_dest: Option<&[u32]> = None;
+        let mut dst_runs: Vec<(u32, u32)> = Vec::new();
         for (_, payload) in messages {
             let Some(d) = payload.dest() else { continue };
-            let (layer, ids) =
-                transport.memory.blocks_of(payload.iovs()).ok_or_else(|| bad("the payload is not whole blocks of one layer of the pool"))?;
             let base = *dest.layer_bases.get(d.layer as usize).ok_or_else(|| bad("a destination layer out of range"))?;
-            if ids.len() != d.blocks.len() {
-                return Err(bad("a destination of another length than its payload"));
+            if last_dest != Some(&d.blocks[..]) {
+                dst_runs.clear();
+                for &b in &d.blocks {
+                    if b >= dest.num_blocks {
+                        return Err(bad("a destination block outside the receiver's pool"));
+                    }
+                    match dst_runs.last_mut() {
+                        Some((first, n)) if *first + *n == b => *n += 1,
+                        _ => dst_runs.push((b, 1)),
+                    }
+                }
+                last_dest = Some(&d.blocks);
             }
-            located.push((layer, ids, base, d));
+            let (copies, blocks) = pair_runs(memory, payload.iovs(), base, &dst_runs).map_err(bad)?;
+            per_chunk.push((copies, blocks * bb));
         }
-        let chunks: Vec<(Blocks<'_>, Blocks<'_>)> = located
+        // On one GPU the verification reads as fast as the copy writes: groups buy nothing there
+        // but the receiver's launches.
+        let min = if dest.same_gpu { usize::MAX } else { WRITE_GROUP_MIN };
+        let ends = write_groups(per_chunk.iter().map(|(_, bytes)| *bytes), min);
+        super::kv_trace!("write: {} chunks located, {} groups", per_chunk.len(), ends.len());
+        let mut chunks = per_chunk.into_iter();
+        let mut begin = 0;
+        let groups: Vec<Vec<CopyRun>> = ends
             .iter()
-            .map(|(layer, ids, base, d)| {
-                (
-                    Blocks { base: transport.memory.layer_base(*layer) as u64, num_blocks: transport.memory.num_blocks(), ids },
-                    Blocks { base: *base, num_blocks: dest.num_blocks, ids: &d.blocks },
-                )
+            .map(|&end| {
+                let mut runs = Vec::new();
+                for (copies, _) in chunks.by_ref().take(end - begin) {
+                    for (d, s, bytes) in copies {
+                        push_run(&mut runs, d, s, bytes);
+                    }
+                }
+                begin = end;
+                runs
             })
             .collect();
-        transport.device.write(&chunks, transport.memory.geometry().block_bytes())
+        // SAFETY: every source run is whole blocks of one layer of this connector's pool
+        // (`locate`), which the core holds claimed for the transfer until the receiver
+        // acknowledges it; every destination run is blocks of one of the receiver's layer arrays,
+        // each id checked against its extent, and they are the blocks the receiver granted this
+        // transfer (the core hands over only granted payloads, with the receiver's blocks).
+        let events = unsafe { transport.device.write(&groups)? };
+        let mut begin = 0;
+        let mut per_payload = Vec::with_capacity(ends.last().copied().unwrap_or(0));
+        for (&end, &event) in ends.iter().zip(&events) {
+            per_payload.extend(std::iter::repeat_n(event, end - begin));
+            begin = end;
+        }
+        Ok(per_payload)
     }
 
     /// A control message from the receiving side (acknowledgements).
@@ -1024,7 +1074,11 @@ impl Reader {
         // this link is still moving, collects up to PULL_BATCH (fewer, longer batches: the copy
         // engines have the next queued before they finish the last).
         let push = self.link.pool.as_ref().is_some_and(|p| p.push.is_some());
-        let limit = || if push && self.link.in_flight.borrow().running == 0 { crate::device::push_group() } else { PULL_BATCH };
+        // (Written payloads are verified in batches of one write event: the sender cut the groups.)
+        let limit = |batch: &[PullReq]| {
+            let pushed = push && batch.last().is_some_and(|r| r.written.is_none());
+            if pushed && self.link.in_flight.borrow().running == 0 { crate::device::push_group() } else { PULL_BATCH }
+        };
         let mut batch: Vec<PullReq> = Vec::new();
         let natural = loop {
             let msg = tokio::select! {
@@ -1040,7 +1094,7 @@ impl Reader {
                 break reason;
             }
             if !batch.is_empty()
-                && (batch.len() >= limit() || !message_buffered(&rd))
+                && (batch.len() >= limit(&batch) || !message_buffered(&rd))
                 && let Err(reason) = self.flush(&mut batch).await
             {
                 break reason;
@@ -1106,7 +1160,7 @@ impl Reader {
                     return Err(format!("a payload of {n} blocks"));
                 }
                 // (For a payload the sender wrote itself, these are the blocks it wrote, ours.)
-                let src_ids = (0..n).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>()?;
+                let src_ids = r.u32s(n as usize)?;
                 let written = if flags & MSG_WRITTEN != 0 {
                     let event = r.u32()?;
                     let known = self.link.pool.as_ref().is_some_and(|p| (event as usize) < p.sender_events.len());
@@ -1133,18 +1187,26 @@ impl Reader {
                     }
                     Delivery::Into { iovs, token } => {
                         let total: u64 = iovs.iter().map(|i| i.len as u64).sum();
-                        let located = t.memory.blocks_of(&iovs).filter(|(_, ids)| total == payload_len && ids.len() == n as usize);
-                        let Some((dst_layer, dst_ids)) = located else {
-                            self.inbox.on_payload(link, token, Err("the destination is not the payload's blocks of one layer".into()));
-                            return Err("unusable destination".into());
+                        let (src_ids, dst_layer, dst_ids) = if written.is_some() {
+                            // The blocks the sender wrote must be those the transfer names here
+                            // (checked without collecting them: a chunk is up to 256 blocks).
+                            if total != payload_len || !t.memory.covers(&iovs, src_layer, &src_ids) {
+                                self.inbox.on_payload(link, token, Err("the sender wrote other blocks than this receiver named".into()));
+                                return Err("a sender wrote blocks it was not given".into());
+                            }
+                            (Vec::new(), src_layer, src_ids)
+                        } else {
+                            let located = t.memory.blocks_of(&iovs).filter(|(_, ids)| total == payload_len && ids.len() == n as usize);
+                            let Some((dst_layer, dst_ids)) = located else {
+                                self.inbox.on_payload(link, token, Err("the destination is not the payload's blocks of one layer".into()));
+                                return Err("unusable destination".into());
+                            };
+                            (src_ids, dst_layer, dst_ids)
                         };
-                        if written.is_some() && (dst_layer != src_layer || dst_ids != src_ids) {
-                            // The sender wrote blocks other than those the transfer names here.
-                            self.inbox.on_payload(link, token, Err("the sender wrote other blocks than this receiver named".into()));
-                            return Err("a sender wrote blocks it was not given".into());
-                        }
-                        if batch.last().is_some_and(|b| b.written.is_some() != written.is_some()) {
-                            // Written payloads are verified, others moved: a batch is of one kind.
+                        if batch.last().is_some_and(|b| b.written != written) {
+                            // Written payloads are verified, others moved: a batch is of one kind,
+                            // and written ones of one write event (each group is verified as soon
+                            // as its own writes landed).
                             self.flush(batch).await?;
                         }
                         batch.push(PullReq { token, seq, src_layer, src_ids, dst_layer, dst_ids, corrupt: flags & MSG_CORRUPT != 0, written });
@@ -1160,6 +1222,84 @@ impl Reader {
             k => Err(format!("unexpected cuda-ipc message {k}")),
         }
     }
+}
+
+/// The copies that move the blocks of `iovs` (whole blocks of one layer of `memory`, in order) to
+/// the destination runs `(first block, blocks)` of a layer array at `base`, in order: runs merged
+/// where both sides continue, so O(runs) where a block-by-block walk is O(blocks). Returns the
+/// copies and how many blocks they move; fails unless both sides hold the same number of blocks.
+fn pair_runs(memory: &KvMemory, iovs: &[crate::memory::Iov], base: u64, dst_runs: &[(u32, u32)]) -> std::result::Result<(Vec<CopyRun>, usize), &'static str> {
+    let bb = memory.geometry().block_bytes() as u64;
+    let mut copies = Vec::new();
+    let mut dst = dst_runs.iter().copied();
+    let mut open: Option<(u32, u32)> = None;
+    let mut layer = None;
+    let mut blocks = 0usize;
+    for iov in iovs {
+        let (l, _, n) = memory.locate(iov).ok_or("the payload is not whole blocks of the pool")?;
+        if *layer.get_or_insert(l) != l {
+            return Err("a payload spanning layers");
+        }
+        let (mut src, mut left) = (iov.addr as u64, n);
+        while left > 0 {
+            let (first, count) = match open.take() {
+                Some(r) => r,
+                None => dst.next().ok_or("a destination shorter than its payload")?,
+            };
+            let take = left.min(count);
+            push_run(&mut copies, base + u64::from(first) * bb, src, (u64::from(take) * bb) as usize);
+            src += u64::from(take) * bb;
+            left -= take;
+            if take < count {
+                open = Some((first + take, count - take));
+            }
+        }
+        blocks += n as usize;
+    }
+    if open.is_some() || dst.next().is_some() {
+        return Err("a destination longer than its payload");
+    }
+    Ok((copies, blocks))
+}
+
+/// Appends the copy `(destination, source, bytes)` to `runs`, merged into the last one where both
+/// sides continue it.
+fn push_run(runs: &mut Vec<CopyRun>, dst: u64, src: u64, bytes: usize) {
+    match runs.last_mut() {
+        Some((d, s, n)) if *d + *n as u64 == dst && *s + *n as u64 == src => *n += bytes,
+        _ => runs.push((dst, src, bytes)),
+    }
+}
+
+/// Below this many bytes, the writes of a batch that are left go in one group. (16 MiB and 8 MiB
+/// measured slower across two H100s: every group is a batch the receiver enqueues, at tens of
+/// microseconds of host time, and those must be done before the last byte lands.)
+const WRITE_GROUP_MIN: usize = 32 << 20;
+
+/// How a sender cuts a batch of chunk writes (of these sizes, in order) into groups, each with a
+/// write event behind it that the receiver verifies the group behind: the ends of the groups
+/// (exclusive chunk indices). Each group takes about half of the bytes left (at least one chunk),
+/// until at most `min` are left, which go in one group: with `WRITE_GROUP_MIN`, 256 MiB of 8 MiB
+/// chunks go as 128, 64, 32 and 32 MiB. Few, big copies keep the copy engines at the link's rate (every
+/// copy boundary costs them a few microseconds); the halving keeps the receiver's verification of
+/// each group (several times faster than the link) done while the next group still moves, so what
+/// is left after the last byte landed is the verification of a small last group.
+fn write_groups(sizes: impl IntoIterator<Item = usize>, min: usize) -> Vec<usize> {
+    let sizes: Vec<usize> = sizes.into_iter().collect();
+    let mut left: usize = sizes.iter().sum();
+    let mut ends = Vec::new();
+    let mut i = 0;
+    while i < sizes.len() {
+        let target = if left <= min { left } else { left / 2 };
+        let mut taken = 0;
+        while i < sizes.len() && (taken == 0 || taken < target) {
+            taken += sizes[i];
+            i += 1;
+        }
+        left -= taken;
+        ends.push(i);
+    }
+    ends
 }
 
 async fn write_message<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, kind: u8, body: &[u8]) -> std::io::Result<()> {
@@ -1210,5 +1350,130 @@ impl Cursor<'_> {
     }
     fn u64(&mut self) -> std::result::Result<u64, String> {
         Ok(u64::from_le_bytes(self.take()?))
+    }
+    /// `n` little-endian `u32`s (a chunk's block ids), read in one go.
+    fn u32s(&mut self, n: usize) -> std::result::Result<Vec<u32>, String> {
+        let bytes = n.checked_mul(4).filter(|&b| b <= self.buf.len()).ok_or("control message too short")?;
+        let (head, tail) = self.buf.split_at(bytes);
+        self.buf = tail;
+        Ok(head.chunks_exact(4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes"))).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn groups(sizes: &[usize]) -> Vec<usize> {
+        let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN);
+        let mut begin = 0;
+        ends.iter()
+            .map(|&end| {
+                let bytes = sizes[begin..end].iter().sum::<usize>() / MIB;
+                begin = end;
+                bytes
+            })
+            .collect()
+    }
+
+    fn xorshift(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn paired_runs_move_every_block_where_a_block_by_block_walk_would() {
+        use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
+        let g = Geometry::new(GeometrySpec {
+            model_id: "runs".into(),
+            dtype: DType::BF16,
+            block_size: 4,
+            num_layers: 3,
+            num_kv_heads: 1,
+            head_dim: 8,
+            layout: Layout::KvHeadTokenDim,
+        })
+        .unwrap();
+        let memory = KvMemory::host(g, 64).unwrap();
+        let bb = memory.geometry().block_bytes() as u64;
+        let base = 0x7000_0000u64;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..300 {
+            let n = 1 + (xorshift(&mut state) % 40) as usize;
+            // Runs of neighbours on both sides, cut at random.
+            let pick = |state: &mut u64| -> Vec<u32> {
+                let mut ids: Vec<u32> = Vec::new();
+                while ids.len() < n {
+                    let start = (xorshift(state) % 64) as u32;
+                    let len = 1 + (xorshift(state) % 6) as u32;
+                    for b in start..(start + len).min(64) {
+                        if ids.len() < n && !ids.contains(&b) {
+                            ids.push(b);
+                        }
+                    }
+                }
+                ids
+            };
+            let (src, dst) = (pick(&mut state), pick(&mut state));
+            let layer = (xorshift(&mut state) % 3) as u32;
+            let iovs = memory.iovs(layer, &src);
+            let mut dst_runs: Vec<(u32, u32)> = Vec::new();
+            for &b in &dst {
+                match dst_runs.last_mut() {
+                    Some((f, c)) if *f + *c == b => *c += 1,
+                    _ => dst_runs.push((b, 1)),
+                }
+            }
+            let (copies, blocks) = pair_runs(&memory, &iovs, base, &dst_runs).unwrap();
+            assert_eq!(blocks, n);
+            // Expanded block by block, the copies are exactly the pairs, in order.
+            let expanded: Vec<(u64, u64)> = copies
+                .iter()
+                .flat_map(|&(d, s, bytes)| (0..bytes as u64 / bb).map(move |k| (d + k * bb, s + k * bb)))
+                .collect();
+            let want: Vec<(u64, u64)> =
+                src.iter().zip(&dst).map(|(&a, &b)| (base + u64::from(b) * bb, memory.block_addr(layer, a) as u64)).collect();
+            assert_eq!(expanded, want);
+            // And no two neighbouring copies could have been one.
+            assert!(copies.windows(2).all(|w| w[0].0 + w[0].2 as u64 != w[1].0 || w[0].1 + w[0].2 as u64 != w[1].1));
+            // Destinations of another length are refused.
+            assert!(pair_runs(&memory, &iovs, base, &dst_runs[..dst_runs.len() - 1]).is_err());
+            let mut longer = dst_runs.clone();
+            longer.push((63, 1));
+            assert!(pair_runs(&memory, &iovs, base, &longer).is_err());
+        }
+    }
+
+    #[test]
+    fn big_batches_go_in_halving_groups_down_to_a_small_last_one() {
+        assert_eq!(groups(&[8 * MIB; 32]), [128, 64, 32, 32]);
+        assert_eq!(groups(&[8 * MIB; 28]), [112, 56, 32, 24]);
+        assert_eq!(groups(&[8 * MIB; 5]), [24, 16]);
+        assert_eq!(groups(&[16 * MIB; 2]), [32]);
+        assert_eq!(groups(&[MIB; 16]), [16]);
+        assert_eq!(groups(&[64 * MIB]), [64]);
+        assert!(write_groups(std::iter::empty(), WRITE_GROUP_MIN).is_empty());
+        assert_eq!(write_groups([8 * MIB; 32], usize::MAX), [32]);
+    }
+
+    #[test]
+    fn groups_cut_every_batch_in_order_and_never_leave_a_chunk_out() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..500 {
+            let n = (xorshift(&mut state) % 70) as usize;
+            let sizes: Vec<usize> = (0..n).map(|i| ((state >> (i % 40)) as usize % (12 * MIB)) / 4096 * 4096 + 4096).collect();
+            let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN);
+            assert_eq!(ends.last().copied().unwrap_or(0), n);
+            assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends.first().is_none_or(|&e| e > 0));
+            // The last group is small once the batch is big: at most WRITE_GROUP_MIN plus one chunk.
+            if let [.., a, b] = ends[..] {
+                let last: usize = sizes[a..b].iter().sum();
+                assert!(last <= WRITE_GROUP_MIN + 12 * MIB, "last group of {last} bytes");
+            }
+        }
     }
 }
