@@ -263,6 +263,7 @@ impl DeviceKv {
                         .result()
                         .map_err(err("writing KV blocks into the receiver's pool"))?;
                 }
+                crate::transport::kv_trace!("write group of {} copies: copies enqueued", runs.len());
                 let k = w.next;
                 w.next = (w.next + 1) % w.events.len();
                 // SAFETY: the events and the stream belong to this context.
