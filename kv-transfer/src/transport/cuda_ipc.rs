@@ -1393,18 +1393,7 @@ mod tests {
 
     #[test]
     fn paired_runs_move_every_block_where_a_block_by_block_walk_would() {
-        use crate::geometry::{DType, Geometry, GeometrySpec, Layout};
-        let g = Geometry::new(GeometrySpec {
-            model_id: "runs".into(),
-            dtype: DType::BF16,
-            block_size: 4,
-            num_layers: 3,
-            num_kv_heads: 1,
-            head_dim: 8,
-            layout: Layout::KvHeadTokenDim,
-        })
-        .unwrap();
-        let memory = KvMemory::host(g, 64).unwrap();
+        let memory = KvMemory::host(crate::geometry::tests::small("runs"), 64).unwrap();
         let bb = memory.geometry().block_bytes() as u64;
         let base = 0x7000_0000u64;
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
