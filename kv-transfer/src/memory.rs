@@ -256,11 +256,10 @@ impl KvMemory {
 
     /// Whether `iovs` cover exactly `ids` of `layer`, in order (no allocation; O(blocks)).
     pub(crate) fn covers(&self, iovs: &[Iov], layer: u32, ids: &[u32]) -> bool {
-        let bb = self.geometry.block_bytes();
         let mut ids = ids.iter();
         for iov in iovs {
             let Some((l, first, n)) = self.locate(iov) else { return false };
-            if l != layer || bb == 0 {
+            if l != layer {
                 return false;
             }
             for b in first..first + n {
@@ -484,6 +483,21 @@ mod tests {
         assert!(m.write_block(3, 0, &data).is_err(), "layer out of range");
         assert!(m.write_block(0, 5, &data).is_err(), "block out of range");
         assert!(m.write_block(0, 0, &data[1..]).is_err(), "short buffer");
+    }
+
+    #[test]
+    fn moved_iovecs_are_those_of_the_other_layer_and_cover_exactly_its_blocks() {
+        let m = KvMemory::host(small("m"), 16).unwrap();
+        let blocks = [3, 4, 5, 9, 1, 2];
+        let first = m.iovs(0, &blocks);
+        for layer in 0..3 {
+            let moved = m.iovs_moved(&first, 0, layer);
+            assert_eq!(moved, m.iovs(layer, &blocks));
+            assert!(m.covers(&moved, layer, &blocks));
+            assert!(!m.covers(&moved, (layer + 1) % 3, &blocks), "another layer");
+            assert!(!m.covers(&moved, layer, &blocks[..5]), "fewer blocks");
+            assert!(!m.covers(&moved, layer, &[3, 4, 5, 9, 2, 1]), "another order");
+        }
     }
 
     #[test]
