@@ -32,11 +32,12 @@ use crate::transport::{Delivery, Inbox, Landed, Link, Payload, Transport};
 /// Most blocks one chunk covers (so a chunk never needs more than `TANDEM_KV_MAX_IOVS` iovecs).
 pub const MAX_CHUNK_BLOCKS: u32 = 256;
 
-/// The most layers a sender hands the transport at once (groups grow 1, 2, 4, ... up to this).
+/// The most layers a sender of a host pool hands the transport at once (groups grow 1, 2, 4, ...
+/// up to this).
 const MAX_GROUP_LAYERS: u32 = 16;
 
-/// A sender whose link writes granted transfers itself hands the link the first
-/// `1 / FIRST_WRITE_DIV` of the ready layers first, then the rest (see `SendJob::body`).
+/// A sender of a device pool (or whose link writes granted transfers itself) hands the link the
+/// first `1 / FIRST_WRITE_DIV` of the ready layers first, then the rest (see `SendJob::body`).
 const FIRST_WRITE_DIV: u32 = 8;
 
 /// Block ranges whose iovecs a receiver keeps per transfer (a sender cuts every layer the same
@@ -1337,11 +1338,17 @@ impl SendJob {
                 let granted = link.writes_directly()
                     && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
                 let ready = (*self.pushed.borrow()).min(num_layers);
-                // A link that writes granted transfers itself takes the ready layers in two steps:
-                // the first eighth (the copy engines start on it at once), then all the rest in one
-                // go, prepared while the first moves (its copies outlast that host work, so the
-                // engines never wait); the link cuts verification groups of its own.
-                let end = match granted {
+                // Device pools (and links that write granted transfers themselves) take the ready
+                // layers in two steps: the first eighth (the link starts moving it at once), then
+                // all the rest in one go, prepared while the first moves (moving it outlasts that
+                // host work, so the link never waits for the host); the link cuts batches or
+                // verification groups of its own. Every batch costs both hosts tens of
+                // microseconds, which small batches (groups of 1, 2, 4 layers of all ready) do
+                // not hide behind their bytes at hundreds of GB/s. Host pools go in groups
+                // doubling from one layer (the first chunk leaves at once, each is summed on the
+                // host while the previous moves).
+                let two_steps = granted || core.device.is_some();
+                let end = match two_steps {
                     true if layer == 0 => ready.div_ceil(FIRST_WRITE_DIV),
                     true => ready,
                     false => ready.min(layer + group),

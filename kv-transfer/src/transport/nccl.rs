@@ -1,6 +1,10 @@
 //! The NCCL backend: device pools on any two GPUs, of one host or of two. A TCP connection carries
-//! the control messages (`wire`); the bytes go through one NCCL communicator per link (per
-//! sender → receiver pair), made once when the link opens and aborted when it closes.
+//! the control messages (`wire`); the bytes go through the NCCL communicators of the link (per
+//! sender → receiver pair): one made when the link opens and the link's other lanes split from it
+//! (4 unless `TANDEM_KV_NCCL_LANES` says otherwise; the fewer of the two ends'), all aborted when it
+//! closes. The link's NCCL operations go round-robin over the lanes, each lane on a stream of its
+//! own joined into the link's first: NCCL runs one communicator's operations one after another,
+//! each paying a start-up, and spread over lanes those start-ups overlap.
 //!
 //! At connect the sender states its control protocol, NCCL version, GPU and pool layout; the
 //! receiver checks them (two different GPUs, the same NCCL major.minor), creates the rendezvous
@@ -15,8 +19,8 @@
 //! as many as fit a staging buffer (at most 32). Nothing on the data path waits on the host: each
 //! link has a stream for its NCCL operations and one for its gathers and scatters, ordered by
 //! events. Per batch the sender enqueues the gather of its (scattered) blocks into a staging buffer
-//! (one device pull) and behind it one `ncclSend` of the buffer, then announces the frames in one
-//! message and goes on; the receiver's inbox names each chunk's destination blocks, the receiver
+//! (one device pull), announces the frames in one message, enqueues one `ncclSend` of the buffer
+//! behind the gather and goes on; the receiver's inbox names each chunk's destination blocks, the receiver
 //! enqueues one `ncclRecv` into its own staging buffer and behind it the scatter of the chunks it
 //! wants into their blocks, which also sums each chunk's destination blocks, and reads on. A
 //! thread per link waits for each batch's device work in order: the sender's drops its hold on
@@ -35,16 +39,19 @@
 //!
 //! Invariants (besides those of every transport):
 //! - Payloads only flow from the side that connected (the sender) to the side that accepted.
-//! - Every posted receive is matched by one send of the same length, in the same order: the sender
-//!   enqueues its send before it announces the batch (a sender whose gather failed sends its
-//!   buffer anyway and says so in the announcement), and the receiver posts a receive for every
-//!   announced batch, wanted or not; a link whose NCCL operation failed is closed, and its
-//!   communicator aborted.
-//! - Every receive a receiver posts matches a send already enqueued, so a receiver's NCCL kernels
-//!   never wait on its peer's host; a link's operations are ordered on its own streams (a stalled
+//! - Every posted receive is matched by one send of the same length, on the same lane, in the same
+//!   order: the sender enqueues its sends right after it announced the batch (a sender whose
+//!   gather failed sends its buffer anyway and says so in the announcement; one that cannot
+//!   enqueue, or abandons the batch in between, closes the link), the receiver posts a receive for
+//!   every announced batch, wanted or not, and both ends put the link's `n`th operation on lane
+//!   `n % lanes`; a link whose NCCL operation failed is closed, and its communicators aborted.
+//! - A receiver's NCCL kernels wait on its peer's host at most for the time the sender takes to
+//!   enqueue a batch it announced (the announcement goes first so that the receive is posted
+//!   while the send is enqueued); a link's operations are ordered on its own streams (a stalled
 //!   link never holds up another).
 //! - A staging buffer is reused only behind events: a gather (scatter) waits for the last NCCL
-//!   operation on its buffer, an NCCL operation for the last gather (scatter) of its buffer.
+//!   operations on its buffer (every lane's, joined), an NCCL operation for the last gather
+//!   (scatter) of its buffer and for the last NCCL operations on it.
 //! - NCCL writes the staging buffers, and destination blocks only through a direct batch's
 //!   receives into the blocks the inbox gave its chunks; `on_payload` comes after the scatter (or,
 //!   received straight into the blocks, their verification) finished — a failure, after the
@@ -129,6 +136,27 @@ const STAGING_TARGET: usize = 64 << 20;
 const RANK_RECEIVER: i32 = 0;
 const RANK_SENDER: i32 = 1;
 
+/// Communicators a link spreads its operations over unless `TANDEM_KV_NCCL_LANES` says otherwise
+/// (1 to [`MAX_LANES`]). NCCL runs a communicator's point-to-point operations one after another,
+/// each paying a start-up of ~8 us and running below the link's rate while it ramps up: 32 sends
+/// of 8 MiB (in one group, or in 4 or 32) move at 70–80 % of one 256 MiB send on two H200s, and at
+/// 88–99 % spread over 4 communicators of the same pair (measured with cupy; see BENCHMARKS.md).
+const DEFAULT_LANES: u8 = 4;
+const MAX_LANES: u8 = 8;
+
+/// The lanes this process offers its peers: [`DEFAULT_LANES`], or `TANDEM_KV_NCCL_LANES`.
+fn lanes_from_env() -> Result<u8> {
+    match std::env::var("TANDEM_KV_NCCL_LANES") {
+        Err(_) => Ok(DEFAULT_LANES),
+        Ok(v) => v
+            .trim()
+            .parse::<u8>()
+            .ok()
+            .filter(|n| (1..=MAX_LANES).contains(n))
+            .ok_or_else(|| Error::Invalid(format!("TANDEM_KV_NCCL_LANES={v}: expected a number of communicators from 1 to {MAX_LANES}"))),
+    }
+}
+
 /// Whether batches whose payloads are contiguous runs of blocks move straight between the pools
 /// (`TANDEM_KV_NCCL_STAGED=1` stages every batch, for comparing the two).
 fn direct_enabled() -> bool {
@@ -197,6 +225,7 @@ impl NcclTransport {
             gpu: uuid.bytes.map(|b| b as u8),
             block_bytes: g.block_bytes() as u64,
             num_layers: g.num_layers(),
+            lanes: if ffi::api()?.can_split() { lanes_from_env()? } else { 1 },
         };
         let listener = TcpListener::bind(opts.bind)
             .await
@@ -324,15 +353,8 @@ impl NcclTransport {
         };
         spawn_reader(!link.sender_side, move |spin| reader.run(rd, closed_rx, spin));
         if self.side.same_layout(&theirs) {
-            self.start_comm(
-                &link,
-                id,
-                if sender_side {
-                    RANK_SENDER
-                } else {
-                    RANK_RECEIVER
-                },
-            );
+            let rank = if sender_side { RANK_SENDER } else { RANK_RECEIVER };
+            self.start_comm(&link, id, rank, self.side.lanes_with(&theirs));
         } else {
             // The connector's handshake refuses this pair with the reason; no communicator for it.
             link.gpu.send_replace(GpuState::Failed(
@@ -342,14 +364,14 @@ impl NcclTransport {
         link
     }
 
-    /// Creates the link's communicator and staging buffer in the background.
-    fn start_comm(&self, link: &Arc<NcclLink>, id: UniqueId, rank: i32) {
+    /// Creates the link's communicators (`lanes`) and staging buffers in the background.
+    fn start_comm(&self, link: &Arc<NcclLink>, id: UniqueId, rank: i32, lanes: usize) {
         let (ctx, bytes) = (self.device.context(), self.staging_bytes);
         let closing = link.closing.clone();
         let link = Arc::clone(link);
         tokio::spawn(async move {
             let made = tokio::task::spawn_blocking(move || {
-                LinkGpu::create(ctx, &id, rank, bytes, &closing)
+                LinkGpu::create(ctx, &id, rank, lanes, bytes, &closing)
             })
             .await
             .unwrap_or_else(|e| Err(format!("the communicator task failed: {e}")));
@@ -404,12 +426,13 @@ impl NcclTransport {
         Ok((chunks, corrupt))
     }
 
-    /// Which of a batch of `n` payloads the corruption test hook picks (at most one).
+    /// Which of a batch of `n` payloads the corruption test hook picks (at most one: the first
+    /// the count hits).
     fn pick_corrupt(&self, n: usize) -> Option<usize> {
         let mut corrupt = None;
         for i in 0..n {
             let k = self.staged.fetch_add(1, Ordering::Relaxed) + 1;
-            if self.corrupt_every.is_some_and(|every| k.is_multiple_of(every)) {
+            if corrupt.is_none() && self.corrupt_every.is_some_and(|every| k.is_multiple_of(every)) {
                 corrupt = Some(i);
             }
         }
@@ -538,23 +561,32 @@ impl Drop for NcclTransport {
     }
 }
 
-/// A link's device side: its communicator, a stream for its NCCL operations (`net`) and one for
-/// its gathers and scatters (`copy`), two staging buffers used in turn, and per buffer the events
-/// that order their reuse: `net_done[k]` behind the last NCCL operation on buffer `k`,
-/// `copy_done[k]` behind its last gather or scatter.
+/// A link's device side: its communicators (one per lane), a stream per lane for its NCCL
+/// operations (lane 0's, `net`, is the one the rest of the link orders against) and one for its
+/// gathers and scatters (`copy`), two staging buffers used in turn, and per buffer the events that
+/// order their reuse: `net_done[k]` behind the last NCCL operations on buffer `k` (recorded on
+/// `net` once every lane's work of the batch joined it), `copy_done[k]` behind its last gather or
+/// scatter.
 struct LinkGpu {
     ctx: Arc<CudaContext>,
     // Events before streams (drop order); all of `ctx`.
     net_done: [CudaEvent; 2],
     copy_done: [CudaEvent; 2],
+    /// Lanes 1..: each one's stream and the event that joins its work into `net`.
+    lanes: Vec<(CudaEvent, Arc<CudaStream>)>,
     net: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     staging: [DeviceBuffer; 2],
     /// Batches so far (the next one's buffer is this modulo 2); advanced by the sender's writer or
     /// the receiver's reader alone.
     batches: AtomicUsize,
-    /// `None` once aborted. Every NCCL call on the communicator is made under this lock.
-    comm: Mutex<Option<Comm>>,
+    /// NCCL operations enqueued so far: the link's `n`th operation goes on lane `n % lanes` (both
+    /// ends enqueue the same operations in the same order, so each lane's communicator matches its
+    /// sends and receives in order). Advanced under the `comms` lock.
+    ops: AtomicUsize,
+    /// One communicator per lane; empty once aborted. Every NCCL call on them is made under this
+    /// lock.
+    comms: Mutex<Vec<Comm>>,
 }
 
 impl LinkGpu {
@@ -564,6 +596,7 @@ impl LinkGpu {
         ctx: Arc<CudaContext>,
         id: &UniqueId,
         rank: i32,
+        lanes: usize,
         staging_bytes: usize,
         closing: &Closing,
     ) -> std::result::Result<LinkGpu, String> {
@@ -577,7 +610,7 @@ impl LinkGpu {
         std::thread::Builder::new()
             .name("tandem-kv-nccl-init".into())
             .spawn(move || {
-                let made = LinkGpu::make(api, ctx, &id, rank, staging_bytes, &flag);
+                let made = LinkGpu::make(api, ctx, &id, rank, lanes, staging_bytes, &flag);
                 let _ = tx.send(made); // unheard: dropped, its communicator aborted
             })
             .map_err(|e| format!("starting the communicator's thread: {e}"))?;
@@ -606,12 +639,14 @@ impl LinkGpu {
 
     /// [`LinkGpu::create`]'s thread: the communicator (blocking: returns when both ranks joined; a
     /// nonblocking communicator would hand every operation to a thread NCCL starts for it, ~100 us
-    /// before it reaches the stream), streams, events, staging buffers, and the pair connected.
+    /// before it reaches the stream) and `lanes - 1` more split from it, streams, events, staging
+    /// buffers, and every lane connected.
     fn make(
         api: &'static ffi::Api,
         ctx: Arc<CudaContext>,
         id: &UniqueId,
         rank: i32,
+        lanes: usize,
         staging_bytes: usize,
         abandon: &AtomicBool,
     ) -> std::result::Result<LinkGpu, String> {
@@ -620,44 +655,60 @@ impl LinkGpu {
             .map_err(|e| format!("binding the context: {e}"))?;
         let comm = Comm::start(api, id, rank, 2, true)?;
         comm.ready()?;
+        let mut comms = vec![comm];
+        for _ in 1..lanes {
+            let lane = comms[0].split(rank).map_err(|e| format!("splitting the communicator into {lanes} lanes: {e}"))?;
+            comms.push(lane);
+        }
         let stream = || ctx.new_stream().map_err(|e| format!("creating a stream: {e}"));
         let event = || ctx.new_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| format!("creating an event: {e}"));
         let gpu = LinkGpu {
             net_done: [event()?, event()?],
             copy_done: [event()?, event()?],
+            lanes: (1..lanes).map(|_| Ok((event()?, stream()?))).collect::<std::result::Result<_, String>>()?,
             net: stream()?,
             copy: stream()?,
             staging: [DeviceBuffer::new(&ctx, staging_bytes)?, DeviceBuffer::new(&ctx, staging_bytes)?],
             batches: AtomicUsize::new(0),
-            comm: Mutex::new(Some(comm)),
+            ops: AtomicUsize::new(0),
+            comms: Mutex::new(comms),
             ctx,
         };
         // NCCL connects a pair's point-to-point channels on their first operation, with the peer:
-        // do that now, one byte from the sender to the receiver, rather than in the first transfer.
+        // do that now on every lane, one byte from the sender to the receiver each, rather than in
+        // the first transfer.
         let dir = if rank == RANK_SENDER { Dir::Send } else { Dir::Recv };
         {
-            let comm = lock(&gpu.comm);
-            let comm = comm.as_ref().ok_or("the communicator was aborted")?;
+            let comms = lock(&gpu.comms);
             let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
-            // SAFETY: one byte of a staging buffer of this GPU, which nothing else uses yet; `gpu`
-            // (and so the buffer) lives until the stream ran out below, or until after the abort
-            // that ends the operation.
-            unsafe { comm.p2p(dir, gpu.staging[0].ptr(), 1, peer, gpu.net.cu_stream() as *mut std::ffi::c_void) }?;
+            api.group(|| {
+                comms.iter().enumerate().try_for_each(|(l, comm)| {
+                    // SAFETY: one byte of a staging buffer of this GPU, which nothing else uses yet
+                    // (the lanes only write the same byte: the receiver never reads it); `gpu` (and
+                    // so the buffer) lives until the streams ran out below, or until after the
+                    // abort that ends the operations.
+                    unsafe { comm.p2p(dir, gpu.staging[0].ptr(), 1, peer, gpu.lane_stream(l).cu_stream() as *mut std::ffi::c_void) }
+                })
+            })?;
         }
         loop {
-            use cudarc::driver::sys::{CUresult, cuStreamQuery};
             gpu.issued()?;
-            // SAFETY: a live stream of the bound context.
-            match unsafe { cuStreamQuery(gpu.net.cu_stream()) } {
-                CUresult::CUDA_SUCCESS => return Ok(gpu),
-                CUresult::CUDA_ERROR_NOT_READY => {}
-                e => return Err(format!("connecting the pair through NCCL: {e:?}")),
+            if gpu.net_idle()? {
+                return Ok(gpu);
             }
             if abandon.load(Ordering::Acquire) {
                 gpu.abort();
                 return Err("given up".into());
             }
             std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Lane `l`'s stream (`net` for lane 0).
+    fn lane_stream(&self, l: usize) -> &Arc<CudaStream> {
+        match l {
+            0 => &self.net,
+            l => &self.lanes[l - 1].1,
         }
     }
 
@@ -678,46 +729,63 @@ impl LinkGpu {
         recorded.map(|()| moved)
     }
 
-    /// Enqueues one `ncclSend` or `ncclRecv` of the first `bytes` of staging buffer `k` on the net
-    /// stream, behind the buffer's last gather or scatter; poll [`LinkGpu::issued`], then
-    /// [`LinkGpu::record_net`].
+    /// Enqueues one `ncclSend` or `ncclRecv` of the first `bytes` of staging buffer `k`, behind the
+    /// buffer's last gather or scatter (see [`LinkGpu::enqueue_p2p_all`]); poll
+    /// [`LinkGpu::issued`], then [`LinkGpu::record_net`].
     fn enqueue_p2p(&self, dir: Dir, k: usize, bytes: usize) -> std::result::Result<(), String> {
         if bytes > self.staging[k].bytes() {
             return Err(format!("a {bytes}-byte batch exceeds a staging buffer"));
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| format!("binding the context: {e}"))?;
-        self.net
-            .wait(&self.copy_done[k])
-            .map_err(|e| format!("ordering the NCCL operation: {e}"))?;
-        let comm = lock(&self.comm);
-        let comm = comm.as_ref().ok_or("the communicator was aborted")?;
-        let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
         // SAFETY: the staging buffer is this GPU's memory, at least `bytes` long; only this link's
-        // operations touch it, ordered by the buffer's events (the NCCL operation waits above for the
+        // operations touch it, ordered by the buffer's events (the NCCL operation waits for the
         // buffer's last gather or scatter, and the next one waits for `net_done[k]`, recorded behind
         // this operation); it lives as long as `self`, which outlives the operation or the abort
-        // that ends it; `net` is this link's stream of the same context.
-        unsafe { comm.p2p(dir, self.staging[k].ptr(), bytes, peer, self.net.cu_stream() as *mut std::ffi::c_void) }
+        // that ends it.
+        unsafe { self.enqueue_p2p_all(dir, k, &[(self.staging[k].ptr(), bytes)]) }
     }
 
-    /// Enqueues one NCCL operation per `(device address, bytes)` of `ops` (one group) on the net
-    /// stream, behind the last gather or scatter of staging buffer `k` (receives may land there);
-    /// poll [`LinkGpu::issued`], then [`LinkGpu::record_net`].
+    /// Enqueues one NCCL operation per `(device address, bytes)` of `ops` (one group), each on the
+    /// next lane in turn, behind the last gather or scatter of staging buffer `k` and its last
+    /// NCCL operations (receives may land there); the lanes' work then joins `net`. Poll
+    /// [`LinkGpu::issued`], then [`LinkGpu::record_net`].
     ///
     /// # Safety
     /// Each range must be this GPU's memory — of the pool, claimed by the transfer (and, sending,
-    /// held until the operations completed), or of staging buffer `k` — that nothing else touches
+    /// held until the operation completed), or of staging buffer `k` — that nothing else touches
     /// until the operation completed or the communicator was aborted.
     unsafe fn enqueue_p2p_all(&self, dir: Dir, k: usize, ops: &[(u64, usize)]) -> std::result::Result<(), String> {
         self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e}"))?;
-        self.net.wait(&self.copy_done[k]).map_err(|e| format!("ordering the NCCL operation: {e}"))?;
-        let comm = lock(&self.comm);
-        let comm = comm.as_ref().ok_or("the communicator was aborted")?;
+        let order = |e: cudarc::driver::DriverError| format!("ordering the NCCL operation: {e}");
+        let comms = lock(&self.comms);
+        if comms.is_empty() {
+            return Err("the communicator was aborted".into());
+        }
+        let first = self.ops.fetch_add(ops.len(), Ordering::Relaxed);
+        let lane = |i: usize| (first + i) % comms.len();
+        // The lanes this batch uses besides `net` (in stream order behind `net_done[k]` already).
+        let others: Vec<usize> = (1..comms.len()).filter(|&l| (0..ops.len()).any(|i| lane(i) == l)).collect();
+        self.net.wait(&self.copy_done[k]).map_err(order)?;
+        for &l in &others {
+            let s = self.lane_stream(l);
+            s.wait(&self.copy_done[k]).map_err(order)?;
+            s.wait(&self.net_done[k]).map_err(order)?;
+        }
         let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
-        // SAFETY: the caller's contract; `net` is this link's stream of the same context.
-        unsafe { comm.p2p_all(dir, ops, peer, self.net.cu_stream() as *mut std::ffi::c_void) }
+        let issue = |i: usize, (buf, bytes): (u64, usize)| {
+            let l = lane(i);
+            // SAFETY: the caller's contract; each lane's stream is this link's, of the same context.
+            unsafe { comms[l].p2p(dir, buf, bytes, peer, self.lane_stream(l).cu_stream() as *mut std::ffi::c_void) }
+        };
+        match ops {
+            [op] => issue(0, *op)?,
+            _ => ffi::api().map_err(|e| e.to_string())?.group(|| ops.iter().enumerate().try_for_each(|(i, op)| issue(i, *op)))?,
+        }
+        for &l in &others {
+            let (join, s) = &self.lanes[l - 1];
+            join.record(s).map_err(order)?;
+            self.net.wait(join).map_err(order)?;
+        }
+        Ok(())
     }
 
     /// An event recorded now on the net stream (behind the operations enqueued so far).
@@ -729,24 +797,33 @@ impl LinkGpu {
         Ok(e)
     }
 
-    /// Whether the net stream ran out of work.
+    /// Whether every lane's stream ran out of work.
     fn net_idle(&self) -> std::result::Result<bool, String> {
         use cudarc::driver::sys::{CUresult, cuStreamQuery};
-        // SAFETY: a live stream of this link's context.
-        match unsafe { cuStreamQuery(self.net.cu_stream()) } {
-            CUresult::CUDA_SUCCESS => Ok(true),
-            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            e => Err(format!("the NCCL stream failed: {e:?}")),
+        for l in 0..=self.lanes.len() {
+            // SAFETY: a live stream of this link's context.
+            match unsafe { cuStreamQuery(self.lane_stream(l).cu_stream()) } {
+                CUresult::CUDA_SUCCESS => {}
+                CUresult::CUDA_ERROR_NOT_READY => return Ok(false),
+                e => return Err(format!("an NCCL stream failed: {e:?}")),
+            }
         }
+        Ok(true)
     }
 
-    /// Whether the last NCCL call was issued onto the stream (a nonblocking communicator may still
-    /// be connecting to its peer); `Err` when the communicator failed or was aborted.
+    /// Whether the last NCCL calls were issued onto the streams (a nonblocking communicator may
+    /// still be connecting to its peer); `Err` when a communicator failed or they were aborted.
     fn issued(&self) -> std::result::Result<bool, String> {
-        match lock(&self.comm).as_ref() {
-            Some(c) => c.ready(),
-            None => Err("the communicator was aborted".into()),
+        let comms = lock(&self.comms);
+        if comms.is_empty() {
+            return Err("the communicator was aborted".into());
         }
+        for comm in comms.iter() {
+            if !comm.ready()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Records `net_done[k]` behind the NCCL operation just issued on buffer `k`.
@@ -757,10 +834,10 @@ impl LinkGpu {
             .map_err(|e| format!("recording a staging event: {e}"))
     }
 
-    /// Aborts the communicator (once): its kernels stop, so the link's streams run out. Blocking.
+    /// Aborts the communicators (once): their kernels stop, so the link's streams run out. Blocking.
     fn abort(&self) {
-        let comm = lock(&self.comm).take();
-        if let Some(comm) = comm {
+        let comms = std::mem::take(&mut *lock(&self.comms));
+        for comm in comms {
             comm.abort();
         }
     }
@@ -1067,17 +1144,16 @@ impl NcclLink {
             return self.send_direct(wr, &t, gpu, items, payloads, plan).await;
         }
         let (slot, permit) = t.slot(&self.closing).await.map_err(|e| self.link_err(e))?;
-        // From the send's enqueue to the announcement the pair's NCCL operations are out of step:
+        // From the announcement to the send's enqueue the pair's NCCL operations are out of step:
         // abandoning the batch in between (deadline, failure) closes the link.
         let mut torn = self.state.torn_guard();
         let k = gpu.next_buffer();
         let gathered = t.locate(&payloads).and_then(|(chunks, corrupt)| t.enqueue_move(&gpu, k, slot, &chunks, true, corrupt));
         let staged = gathered.as_ref().map(|_| ()).map_err(|e| e.clone());
         self.submit(Job::Gathered { pull: gathered.ok(), slot, _permit: permit, _hold: payloads, _gpu: Arc::clone(&gpu) });
-        // The send goes whatever the gather did (the receiver posts a receive for every batch), and
-        // is announced at once: a nonblocking communicator may need the receive posted to issue it.
-        gpu.enqueue_p2p(Dir::Send, k, bytes as usize).map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
-        super::kv_trace!("nccl batch of {} ({bytes} bytes) enqueued", items.len());
+        // The batch is announced before its send is enqueued (the receiver posts its receive
+        // meanwhile), and the send goes whatever the gather did (the receiver posts a receive for
+        // every batch).
         let moved = match &staged {
             Ok(()) => Moved::Staged,
             Err(reason) => Moved::StageFailed(reason.clone()),
@@ -1085,6 +1161,8 @@ impl NcclLink {
         wire::write(wr, &Control::Batch { items, moved })
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
+        gpu.enqueue_p2p(Dir::Send, k, bytes as usize).map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
+        super::kv_trace!("nccl batch ({bytes} bytes) announced and enqueued");
         self.until_issued(&gpu).await.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
         gpu.record_net(k).map_err(|e| self.link_err(e))?;
         torn.disarm();
@@ -1142,9 +1220,15 @@ impl NcclLink {
                 return Err(Error::Device(format!("staging chunks for NCCL: {e}")));
             }
         }
-        // From the sends' enqueue to the announcement the pair's NCCL operations are out of step:
-        // abandoning the batch in between (deadline, failure) closes the link.
+        // From the announcement to the sends' enqueue the pair's NCCL operations are out of step:
+        // abandoning the batch in between (deadline, failure) closes the link. Announced first:
+        // the receiver posts its receives while the sends are enqueued here.
         let mut torn = self.state.torn_guard();
+        super::kv_trace!("nccl direct batch of {} planned", items.len());
+        wire::write(wr, &Control::Batch { items, moved: Moved::Direct { corrupt } })
+            .await
+            .map_err(|e| self.link_err(e.to_string()))?;
+        super::kv_trace!("nccl direct batch announced");
         // SAFETY: each run is whole blocks of one layer of this connector's pool (`direct_plan`
         // located them), or the part of staging buffer `k` the gather above fills (the sends wait
         // for it: `enqueue_p2p_all` orders them behind the buffer's last gather); the payloads are
@@ -1154,10 +1238,7 @@ impl NcclLink {
         let done = sent.as_ref().ok().and_then(|()| gpu.net_event().ok());
         self.submit(Job::Sent { done, _hold: payloads, gpu: Arc::clone(&gpu) });
         sent.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
-        super::kv_trace!("nccl direct batch of {} enqueued", items.len());
-        wire::write(wr, &Control::Batch { items, moved: Moved::Direct { corrupt } })
-            .await
-            .map_err(|e| self.link_err(e.to_string()))?;
+        super::kv_trace!("nccl direct batch enqueued");
         self.until_issued(&gpu).await.map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
         // (A later gather into buffer `k` waits for these sends.)
         gpu.record_net(k).map_err(|e| self.link_err(e))?;
@@ -1265,6 +1346,7 @@ impl Reader {
             Control::Msg { .. } => Err("a payload announced outside a batch".into()),
             Control::Batch { .. } if sender_side => Err("payload from the accepting side".into()),
             Control::Batch { items, moved } => {
+                super::kv_trace!("nccl batch of {} read", items.len());
                 // A batch waits for the communicator before the inbox hears of it: the connector
                 // then counts only the bytes' movement as the chunks', not the communicator's
                 // creation (a transfer's deadline never closes the link over it).
@@ -1339,6 +1421,7 @@ impl Reader {
         let into: Vec<(usize, u64, &[u32])> =
             wanted.iter().zip(&chunks).map(|((i, _, _), (layer, ids, _))| (*i, t.memory.layer_base(*layer) as u64, ids.as_slice())).collect();
         let (ops, straight) = receive_plan(lens, &moved, gpu.staging[k].ptr(), &into, bb);
+        super::kv_trace!("nccl batch of {} planned", lens.len());
         // SAFETY: staging ranges lie inside buffer `k` (the batch fits it, checked above); pool
         // ranges are whole blocks of one layer of this connector's pool that the inbox gave this
         // transfer's chunks (claimed until they are reported); nothing else writes either until

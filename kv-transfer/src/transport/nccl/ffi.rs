@@ -65,6 +65,22 @@ struct ConfigV21400 {
     net_name: *const c_char,
 }
 
+impl ConfigV21400 {
+    /// Defaults but `blocking`.
+    fn new(blocking: bool) -> ConfigV21400 {
+        ConfigV21400 {
+            size: std::mem::size_of::<ConfigV21400>(),
+            magic: CONFIG_MAGIC,
+            version: MIN_VERSION as c_uint,
+            blocking: c_int::from(blocking),
+            cga_cluster_size: CONFIG_UNDEF_INT,
+            min_ctas: CONFIG_UNDEF_INT,
+            max_ctas: CONFIG_UNDEF_INT,
+            net_name: std::ptr::null(),
+        }
+    }
+}
+
 /// The loaded library and the entry points the backend calls (signatures as in `nccl.h`).
 pub(crate) struct Api {
     _lib: libloading::Library,
@@ -77,6 +93,8 @@ pub(crate) struct Api {
     comm_init_all: unsafe extern "C" fn(*mut RawComm, c_int, *const c_int) -> NcclResult,
     comm_get_async_error: unsafe extern "C" fn(RawComm, *mut NcclResult) -> NcclResult,
     comm_abort: unsafe extern "C" fn(RawComm) -> NcclResult,
+    /// `ncclCommSplit` (NCCL 2.18 and later; `None` before).
+    comm_split: Option<unsafe extern "C" fn(RawComm, c_int, c_int, *mut RawComm, *mut ConfigV21400) -> NcclResult>,
     send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, CuStream) -> NcclResult,
     recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, CuStream) -> NcclResult,
     group_start: unsafe extern "C" fn() -> NcclResult,
@@ -167,6 +185,7 @@ fn load() -> std::result::Result<Api, String> {
         comm_init_all: sym(&lib, "ncclCommInitAll")?,
         comm_get_async_error: sym(&lib, "ncclCommGetAsyncError")?,
         comm_abort: sym(&lib, "ncclCommAbort")?,
+        comm_split: sym(&lib, "ncclCommSplit").ok(),
         send: sym(&lib, "ncclSend")?,
         recv: sym(&lib, "ncclRecv")?,
         group_start: sym(&lib, "ncclGroupStart")?,
@@ -216,8 +235,14 @@ impl Api {
         }
     }
 
-    /// Runs `issue` between `ncclGroupStart` and `ncclGroupEnd` (one thread driving several ranks).
-    fn group(
+    /// Whether communicators can be split (`ncclCommSplit`, NCCL 2.18 and later).
+    pub(crate) fn can_split(&self) -> bool {
+        self.comm_split.is_some()
+    }
+
+    /// Runs `issue` between `ncclGroupStart` and `ncclGroupEnd` (one thread driving several ranks,
+    /// or operations on several communicators launched together).
+    pub(crate) fn group(
         &self,
         issue: impl FnOnce() -> std::result::Result<(), String>,
     ) -> std::result::Result<(), String> {
@@ -281,16 +306,7 @@ impl Comm {
         nranks: i32,
         blocking: bool,
     ) -> std::result::Result<Comm, String> {
-        let mut config = ConfigV21400 {
-            size: std::mem::size_of::<ConfigV21400>(),
-            magic: CONFIG_MAGIC,
-            version: MIN_VERSION as c_uint,
-            blocking: c_int::from(blocking),
-            cga_cluster_size: CONFIG_UNDEF_INT,
-            min_ctas: CONFIG_UNDEF_INT,
-            max_ctas: CONFIG_UNDEF_INT,
-            net_name: std::ptr::null(),
-        };
+        let mut config = ConfigV21400::new(blocking);
         let mut raw: RawComm = std::ptr::null_mut();
         // SAFETY: `raw` and `config` are valid for the call (NCCL copies the config); `id` is a
         // 128-byte id passed by value as `nccl.h` declares it.
@@ -299,6 +315,27 @@ impl Comm {
         match code {
             NCCL_SUCCESS | NCCL_IN_PROGRESS if !raw.is_null() => Ok(comm),
             code => Err(api.describe(code, raw)), // dropping `comm` aborts a half-made communicator
+        }
+    }
+
+    /// A communicator of the same ranks with resources (channels, connections) of its own, made
+    /// with `ncclCommSplit` (every rank calls this, in the same order; collective on `self`, so it
+    /// returns when every rank joined, the child blocking like [`Comm::start`]'s). Operations on
+    /// the two proceed independently: a link spreads its operations over several, whose per-
+    /// operation start-up costs then overlap. `Err` when the library cannot split (before 2.18).
+    pub(crate) fn split(&self, rank: i32) -> std::result::Result<Comm, String> {
+        let split = self.api.comm_split.ok_or("the loaded NCCL cannot split communicators (2.18 or later can)")?;
+        let mut config = ConfigV21400::new(true);
+        let mut raw: RawComm = std::ptr::null_mut();
+        // SAFETY: a live communicator of this owner; `raw` and `config` are valid for the call
+        // (NCCL copies the config). Colour 0 for every rank keeps them all; `rank` orders them as
+        // in the parent.
+        let code = unsafe { split(self.raw, 0, rank, &mut raw, &mut config) };
+        let comm = Comm { raw, api: self.api };
+        match code {
+            NCCL_SUCCESS if !raw.is_null() => Ok(comm),
+            NCCL_SUCCESS => Err("ncclCommSplit made no communicator".into()),
+            code => Err(self.api.describe(code, self.raw)),
         }
     }
 
@@ -359,30 +396,6 @@ impl Comm {
             NCCL_SUCCESS | NCCL_IN_PROGRESS => Ok(()),
             code => Err(self.api.describe(code, self.raw)),
         }
-    }
-
-    /// [`Comm::p2p`] of each `(buf, bytes)` of `ops` in order, in one NCCL group (one launch; the
-    /// peer's matching operations are matched in the same order).
-    ///
-    /// # Safety
-    /// As [`Comm::p2p`], for every buffer of `ops`.
-    pub(crate) unsafe fn p2p_all(
-        &self,
-        dir: Dir,
-        ops: &[(u64, usize)],
-        peer: i32,
-        stream: CuStream,
-    ) -> std::result::Result<(), String> {
-        if let [(buf, bytes)] = ops {
-            // SAFETY: the caller's contract.
-            return unsafe { self.p2p(dir, *buf, *bytes, peer, stream) };
-        }
-        self.api.group(|| {
-            ops.iter().try_for_each(|&(buf, bytes)| {
-                // SAFETY: the caller's contract.
-                unsafe { self.p2p(dir, buf, bytes, peer, stream) }
-            })
-        })
     }
 
     /// Aborts the communicator: its kernels stop, its resources are freed, its peer's operations

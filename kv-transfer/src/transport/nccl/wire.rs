@@ -7,8 +7,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::ffi::{UNIQUE_ID_BYTES, UniqueId, version_text};
 
 /// Version of this control protocol (4: batches may move straight between the pools, one NCCL
-/// operation per payload, [`Moved::Direct`]).
-pub(crate) const VERSION: u16 = 4;
+/// operation per payload, [`Moved::Direct`]; 5: each end states its [`Side::lanes`], and a link's
+/// operations go round-robin over that many communicators).
+pub(crate) const VERSION: u16 = 5;
 /// Largest control message body.
 pub(crate) const MAX_MESSAGE: usize = 64 * 1024;
 /// Longest reason text carried (longer ones are cut at a character boundary).
@@ -36,9 +37,12 @@ pub(crate) struct Side {
     pub(crate) block_bytes: u64,
     /// Layers of the pool.
     pub(crate) num_layers: u32,
+    /// Communicators this end makes per link at most (at least 1); a link has the fewer of its
+    /// two ends' (see [`Side::lanes_with`]).
+    pub(crate) lanes: u8,
 }
 
-const SIDE_BYTES: usize = 2 + 4 + 16 + 8 + 4;
+const SIDE_BYTES: usize = 2 + 4 + 16 + 8 + 4 + 1;
 
 impl Side {
     fn put(&self, out: &mut Vec<u8>) {
@@ -48,6 +52,7 @@ impl Side {
         out.extend_from_slice(&self.gpu);
         out.extend_from_slice(&self.block_bytes.to_le_bytes());
         out.extend_from_slice(&self.num_layers.to_le_bytes());
+        out.push(self.lanes);
     }
 
     fn take(r: &mut Cursor<'_>) -> Result<Side, String> {
@@ -57,7 +62,14 @@ impl Side {
             gpu: r.take()?,
             block_bytes: r.u64()?,
             num_layers: r.u32()?,
+            lanes: r.take::<1>()?[0],
         })
+    }
+
+    /// The communicators of a link between this end and `peer`: the fewer of the two ends', at
+    /// least 1 (both ends compute the same).
+    pub(crate) fn lanes_with(&self, peer: &Side) -> usize {
+        usize::from(self.lanes.min(peer.lanes).max(1))
     }
 
     /// Whether both pools have the same layout (block bytes and layers); a link between pools of
@@ -348,6 +360,7 @@ mod tests {
             gpu: [gpu; 16],
             block_bytes: 65536,
             num_layers: 32,
+            lanes: 4,
         }
     }
 
@@ -493,6 +506,15 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_link_has_the_fewer_lanes_of_its_two_ends_and_at_least_one() {
+        let (a, b) = (side(1), side(2));
+        assert_eq!(a.lanes_with(&Side { lanes: 2, ..b }), 2);
+        assert_eq!(Side { lanes: 2, ..a }.lanes_with(&b), 2);
+        assert_eq!(a.lanes_with(&b), 4);
+        assert_eq!(a.lanes_with(&Side { lanes: 0, ..b }), 1);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 4096, ..ProptestConfig::default() })]
         #[test]
@@ -505,8 +527,8 @@ mod tests {
         }
 
         #[test]
-        fn sides_round_trip(version: u16, nccl: i32, gpu: [u8; 16], block_bytes: u64, num_layers: u32) {
-            let s = Side { version, nccl, gpu, block_bytes, num_layers };
+        fn sides_round_trip(version: u16, nccl: i32, gpu: [u8; 16], block_bytes: u64, num_layers: u32, lanes: u8) {
+            let s = Side { version, nccl, gpu, block_bytes, num_layers, lanes };
             let bytes = Control::Hello(s).encode();
             prop_assert_eq!(bytes.len(), 5 + SIDE_BYTES);
             prop_assert_eq!(Control::decode(bytes[0], &bytes[5..]).unwrap(), Control::Hello(s));
