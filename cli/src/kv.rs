@@ -46,6 +46,12 @@ pub(crate) struct KvBenchArgs {
     /// memory), interleaved with the plain runs, and report both.
     #[arg(long)]
     tls: bool,
+    /// Sleep through each transfer's 1 ms head start (the receiver's grant travelling to the
+    /// sender, outside the timed part) instead of spinning: the transfer's first host steps then
+    /// run on a core waking from idle, where each raw reference starts on a core just busy with the
+    /// previous measurement (as a prefill node's thread is, fresh from the prefill).
+    #[arg(long)]
+    idle_start: bool,
 }
 
 /// Where the pools live: the senders' and the receivers' (the same unless two GPUs are named).
@@ -216,13 +222,23 @@ fn filled(geometry: &Geometry, blocks: u32, device: Option<i32>) -> anyhow::Resu
 
 /// One transfer of `blocks` blocks, every layer ready (as after a whole prefill); returns the time
 /// from `send_ready` to the receiver's verified completion.
-async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32) -> anyhow::Result<Duration> {
+async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32, idle_start: bool) -> anyhow::Result<Duration> {
     let ids: Vec<u32> = (0..blocks).collect();
     let mut recv = rx.expect(ids.clone(), 0, None)?;
     // A decode node hands the descriptor to the prefill node through a gRPC call (hundreds of
     // microseconds) while the receiver's grant travels to a sender that writes directly: give it
-    // that head start, outside the timed part.
-    tokio::time::sleep(Duration::from_millis(1)).await;
+    // that head start, outside the timed part — spinning, so that the timed part starts on a core
+    // as awake as the raw references' (each runs right after another measurement), unless
+    // `--idle-start` asks for a core waking from idle.
+    let head_start = Duration::from_millis(1);
+    if idle_start {
+        tokio::time::sleep(head_start).await;
+    } else {
+        let until = Instant::now() + head_start;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
     let t = Instant::now();
     let mut send = tx.send_ready(recv.descriptor(), ids, 0, None)?;
     recv.wait().await?;
@@ -454,24 +470,24 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     );
     for &mib in &args.sizes {
         let bytes = (mib as usize) << 20;
-        kv_once(&tx, &rx, mib).await?;
+        kv_once(&tx, &rx, mib, args.idle_start).await?;
         raw.once(bytes).await?;
         if let Some(r) = &mut raw2 {
             r.once(bytes).await?;
         }
         if let Some((ttx, trx)) = &tls_pair {
-            kv_once(ttx, trx, mib).await?;
+            kv_once(ttx, trx, mib, args.idle_start).await?;
         }
         let (mut kv, mut sock, mut tls, mut second) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Interleave so all see the same machine state.
         for _ in 0..args.iters {
-            kv.push(kv_once(&tx, &rx, mib).await?);
+            kv.push(kv_once(&tx, &rx, mib, args.idle_start).await?);
             sock.push(raw.once(bytes).await?);
             if let Some(r) = &mut raw2 {
                 second.push(r.once(bytes).await?);
             }
             if let Some((ttx, trx)) = &tls_pair {
-                tls.push(kv_once(ttx, trx, mib).await?);
+                tls.push(kv_once(ttx, trx, mib, args.idle_start).await?);
             }
         }
         let (k, s) = (gbs(bytes, median(kv)), gbs(bytes, median(sock)));
@@ -514,18 +530,18 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
         _ => Raw::new(&ssrc, &sdst, pair.as_ref(), nccl_first, small).await?.0,
     };
     for _ in 0..20 {
-        kv_once(&stx, &srx, 1).await?;
+        kv_once(&stx, &srx, 1, args.idle_start).await?;
         raw_small.once(small).await?;
         if let Some((ttx, trx)) = &small_tls {
-            kv_once(ttx, trx, 1).await?;
+            kv_once(ttx, trx, 1, args.idle_start).await?;
         }
     }
     let (mut kv, mut sock, mut tls) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.latency_iters {
-        kv.push(kv_once(&stx, &srx, 1).await?);
+        kv.push(kv_once(&stx, &srx, 1, args.idle_start).await?);
         sock.push(raw_small.once(small).await?);
         if let Some((ttx, trx)) = &small_tls {
-            tls.push(kv_once(ttx, trx, 1).await?);
+            tls.push(kv_once(ttx, trx, 1, args.idle_start).await?);
         }
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
