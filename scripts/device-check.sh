@@ -336,6 +336,11 @@ stage_gpus_kv() {
     TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --sizes 256 --iters 1 --latency-iters 1 \
         > /tmp/gpus_kv_trace.txt 2>&1 || rc=1
     last_transfer_trace /tmp/gpus_kv_trace.txt 256
+    # pools exactly the transfer's size (the layout before 2026-11-28: a 256 MiB transfer then
+    # covers whole layer arrays, and cuda-ipc merges the layers' copies), for comparison
+    echo "---- both backends, --exact-pool, 256 MiB"
+    cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --sizes 256 --latency-iters 1 --exact-pool || rc=1
+    cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --sizes 256 --latency-iters 1 --exact-pool || rc=1
     return "$rc"
 }
 

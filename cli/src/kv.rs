@@ -10,7 +10,7 @@ use clap::Args;
 use tandem_kv_transfer::conformance::Suite;
 use tandem_kv_transfer::transport::nccl::RawNcclPair;
 use tandem_kv_transfer::{
-    Connector, ConnectorConfig, ConnectorSpec, DType, Fabric, Geometry, GeometrySpec, KvMemory, Layout, MemoryKind,
+    Connector, ConnectorConfig, ConnectorSpec, DType, Fabric, Geometry, GeometrySpec, KvMemory, Layout, MemoryKind, TransferState,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -47,11 +47,20 @@ pub(crate) struct KvBenchArgs {
     #[arg(long)]
     tls: bool,
     /// Sleep through each transfer's 1 ms head start (the receiver's grant travelling to the
-    /// sender, outside the timed part) instead of spinning: the transfer's first host steps then
-    /// run on a core waking from idle, where each raw reference starts on a core just busy with the
-    /// previous measurement (as a prefill node's thread is, fresh from the prefill).
+    /// sender, outside the timed part) instead of spinning, and await its completion instead of
+    /// watching for it spinning (device pools): the transfer's first host steps then run on a core
+    /// waking from idle, and its end includes a runtime thread's wake-up, where each raw reference
+    /// starts on a core just busy with the previous measurement (as a prefill node's thread is,
+    /// fresh from the prefill) and ends in a spinning synchronize.
     #[arg(long)]
     idle_start: bool,
+    /// Pools exactly the largest transfer's size, as before 2026-11-28: that transfer then covers
+    /// whole layer arrays, so its runs of consecutive layers touch and a backend may move several
+    /// layers in one copy — which a serving pool, holding many requests, never allows. By default
+    /// each pool holds twice the largest transfer, the receiver's blocks at its end: every layer
+    /// is a run of its own, as a fresh request's are.
+    #[arg(long)]
+    exact_pool: bool,
 }
 
 /// Where the pools live: the senders' and the receivers' (the same unless two GPUs are named).
@@ -220,18 +229,39 @@ fn filled(geometry: &Geometry, blocks: u32, device: Option<i32>) -> anyhow::Resu
     Ok(memory)
 }
 
+/// How `kv_once` starts and ends its timed part.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    /// Sleep through the head start instead of spinning (`--idle-start`).
+    idle_start: bool,
+    /// Watch for the receiver's completion by spinning rather than awaiting it (device pools,
+    /// unless `--idle-start`): the raw references end in a spinning synchronize, and a runtime
+    /// thread's wake-up is the bench's cost, not the transfer's.
+    spin_end: bool,
+    /// Blocks of each pool.
+    pool_blocks: u32,
+}
+
+impl Timing {
+    fn of(args: &KvBenchArgs, devices: Devices, pool_blocks: u32) -> Timing {
+        Timing { idle_start: args.idle_start, spin_end: !args.idle_start && devices.src.is_some(), pool_blocks }
+    }
+}
+
 /// One transfer of `blocks` blocks, every layer ready (as after a whole prefill); returns the time
 /// from `send_ready` to the receiver's verified completion.
-async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32, idle_start: bool) -> anyhow::Result<Duration> {
+async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32, timing: Timing) -> anyhow::Result<Duration> {
+    // The sender's first blocks into the receiver's last (each pool's size is `timing.pool_blocks`).
     let ids: Vec<u32> = (0..blocks).collect();
-    let mut recv = rx.expect(ids.clone(), 0, None)?;
+    let dst_first = timing.pool_blocks.checked_sub(blocks).context("a transfer larger than the pool")?;
+    let mut recv = rx.expect((dst_first..dst_first + blocks).collect(), 0, None)?;
     // A decode node hands the descriptor to the prefill node through a gRPC call (hundreds of
     // microseconds) while the receiver's grant travels to a sender that writes directly: give it
     // that head start, outside the timed part — spinning, so that the timed part starts on a core
     // as awake as the raw references' (each runs right after another measurement), unless
     // `--idle-start` asks for a core waking from idle.
     let head_start = Duration::from_millis(1);
-    if idle_start {
+    if timing.idle_start {
         tokio::time::sleep(head_start).await;
     } else {
         let until = Instant::now() + head_start;
@@ -241,6 +271,11 @@ async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32, idle_start: bool) 
     }
     let t = Instant::now();
     let mut send = tx.send_ready(recv.descriptor(), ids, 0, None)?;
+    if timing.spin_end {
+        while matches!(recv.progress().state, TransferState::Pending) {
+            std::hint::spin_loop();
+        }
+    }
     recv.wait().await?;
     let elapsed = t.elapsed();
     send.wait().await?;
@@ -425,8 +460,10 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
         ..ConnectorConfig::default()
     };
     let max_mib = *args.sizes.iter().max().expect("non-empty");
+    let pool_blocks = if args.exact_pool { max_mib } else { 2 * max_mib };
+    let timing = Timing::of(&args, devices, pool_blocks);
     let g = big_geometry();
-    let (src, dst) = (filled(&g, max_mib, devices.src)?, pool(&g, max_mib, devices.dst)?);
+    let (src, dst) = (filled(&g, pool_blocks, devices.src)?, pool(&g, pool_blocks, devices.dst)?);
     let tx = Connector::from_spec(&spec, Arc::clone(&src), config.clone(), &fabric).await?;
     let rx = receiver(&rx_rt, &spec, &dst, &config, &fabric).await?;
     // With --tls, a second pair over the same pools moving the same blocks over mutual TLS.
@@ -447,10 +484,12 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     let nccl_first = matches!(spec, ConnectorSpec::Nccl(_));
     let (mut raw, mut raw2) = Raw::new(&src, &dst, pair.as_ref(), nccl_first, (max_mib as usize) << 20).await?;
     println!(
-        "tandem bench kv: backend {} ({}), pools in {}, {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
+        "tandem bench kv: backend {} ({}), pools of {} MiB in {}{}, {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
         tx.backend(),
         rx.endpoint(),
+        pool_blocks,
         args.device,
+        if args.exact_pool { " (--exact-pool)" } else { "" },
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         config.max_chunk_bytes >> 10,
         args.iters
@@ -470,24 +509,24 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     );
     for &mib in &args.sizes {
         let bytes = (mib as usize) << 20;
-        kv_once(&tx, &rx, mib, args.idle_start).await?;
+        kv_once(&tx, &rx, mib, timing).await?;
         raw.once(bytes).await?;
         if let Some(r) = &mut raw2 {
             r.once(bytes).await?;
         }
         if let Some((ttx, trx)) = &tls_pair {
-            kv_once(ttx, trx, mib, args.idle_start).await?;
+            kv_once(ttx, trx, mib, timing).await?;
         }
         let (mut kv, mut sock, mut tls, mut second) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Interleave so all see the same machine state.
         for _ in 0..args.iters {
-            kv.push(kv_once(&tx, &rx, mib, args.idle_start).await?);
+            kv.push(kv_once(&tx, &rx, mib, timing).await?);
             sock.push(raw.once(bytes).await?);
             if let Some(r) = &mut raw2 {
                 second.push(r.once(bytes).await?);
             }
             if let Some((ttx, trx)) = &tls_pair {
-                tls.push(kv_once(ttx, trx, mib, args.idle_start).await?);
+                tls.push(kv_once(ttx, trx, mib, timing).await?);
             }
         }
         let (k, s) = (gbs(bytes, median(kv)), gbs(bytes, median(sock)));
@@ -529,19 +568,20 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
         Raw::Socket(_) => raw,
         _ => Raw::new(&ssrc, &sdst, pair.as_ref(), nccl_first, small).await?.0,
     };
+    let timing = Timing { pool_blocks: 1, ..timing };
     for _ in 0..20 {
-        kv_once(&stx, &srx, 1, args.idle_start).await?;
+        kv_once(&stx, &srx, 1, timing).await?;
         raw_small.once(small).await?;
         if let Some((ttx, trx)) = &small_tls {
-            kv_once(ttx, trx, 1, args.idle_start).await?;
+            kv_once(ttx, trx, 1, timing).await?;
         }
     }
     let (mut kv, mut sock, mut tls) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.latency_iters {
-        kv.push(kv_once(&stx, &srx, 1, args.idle_start).await?);
+        kv.push(kv_once(&stx, &srx, 1, timing).await?);
         sock.push(raw_small.once(small).await?);
         if let Some((ttx, trx)) = &small_tls {
-            tls.push(kv_once(ttx, trx, 1, args.idle_start).await?);
+            tls.push(kv_once(ttx, trx, 1, timing).await?);
         }
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;

@@ -762,14 +762,21 @@ impl LinkGpu {
         }
         let first = self.ops.fetch_add(ops.len(), Ordering::Relaxed);
         let lane = |i: usize| (first + i) % comms.len();
-        // The lanes this batch uses besides `net` (in stream order behind `net_done[k]` already).
-        let others: Vec<usize> = (1..comms.len()).filter(|&l| (0..ops.len()).any(|i| lane(i) == l)).collect();
-        self.net.wait(&self.copy_done[k]).map_err(order)?;
-        for &l in &others {
-            let s = self.lane_stream(l);
-            s.wait(&self.copy_done[k]).map_err(order)?;
-            s.wait(&self.net_done[k]).map_err(order)?;
+        // The lanes this batch uses besides `net` (the first `lanes` operations name them all).
+        let others: Vec<usize> = (0..ops.len().min(comms.len())).map(lane).filter(|&l| l != 0).collect();
+        // Only operations on staging buffer `k` wait for its last gather or scatter and its last
+        // NCCL operations (`net` is in stream order behind `net_done[k]` already); a batch straight
+        // between the pools (blocks the transfer claimed) has nothing to wait for.
+        let (at, len) = (self.staging[k].ptr(), self.staging[k].bytes() as u64);
+        if ops.iter().any(|&(addr, _)| addr >= at && addr < at + len) {
+            self.net.wait(&self.copy_done[k]).map_err(order)?;
+            for &l in &others {
+                let s = self.lane_stream(l);
+                s.wait(&self.copy_done[k]).map_err(order)?;
+                s.wait(&self.net_done[k]).map_err(order)?;
+            }
         }
+        super::kv_trace!("nccl enqueue of {} operations: ordered", ops.len());
         let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
         let issue = |i: usize, (buf, bytes): (u64, usize)| {
             let l = lane(i);
@@ -780,6 +787,7 @@ impl LinkGpu {
             [op] => issue(0, *op)?,
             _ => ffi::api().map_err(|e| e.to_string())?.group(|| ops.iter().enumerate().try_for_each(|(i, op)| issue(i, *op)))?,
         }
+        super::kv_trace!("nccl enqueue of {} operations: issued", ops.len());
         for &l in &others {
             let (join, s) = &self.lanes[l - 1];
             join.record(s).map_err(order)?;
