@@ -122,6 +122,8 @@ struct Writer {
     local: Vec<RawEvent>,
     stream: Arc<CudaStream>,
     next: usize,
+    /// Whether a group of copies goes as one `cuMemcpyBatchAsync` (see [`batch_copies`]).
+    batch: bool,
 }
 
 /// A CUDA event made with raw flags (interprocess events need two of them), destroyed on drop.
@@ -221,7 +223,7 @@ impl DeviceKv {
             let ipc = no_timing | cudarc::driver::sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
             let events = (0..WRITE_EVENTS).map(|_| make(ipc)).collect::<Result<Vec<_>>>()?;
             let local = (0..WRITE_EVENTS).map(|_| make(no_timing)).collect::<Result<Vec<_>>>()?;
-            *guard = Some(Writer { events, local, stream, next: 0 });
+            *guard = Some(Writer { events, local, stream, next: 0, batch: batch_copies() });
         }
         f(guard.as_mut().expect("made above"))
     }
@@ -257,11 +259,16 @@ impl DeviceKv {
             crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
             let mut events = Vec::with_capacity(groups.len());
             for runs in groups {
-                for &(dst, src, bytes) in runs {
+                if w.batch && runs.len() > 1 {
                     // SAFETY: the caller's contract above; stream-ordered on the write stream.
-                    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
-                        .result()
-                        .map_err(err("writing KV blocks into the receiver's pool"))?;
+                    unsafe { copy_batch(runs, w.stream.cu_stream()) }.map_err(err("writing KV blocks into the receiver's pool"))?;
+                } else {
+                    for &(dst, src, bytes) in runs {
+                        // SAFETY: the caller's contract above; stream-ordered on the write stream.
+                        unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
+                            .result()
+                            .map_err(err("writing KV blocks into the receiver's pool"))?;
+                    }
                 }
                 crate::transport::kv_trace!("write group of {} copies: copies enqueued", runs.len());
                 let k = w.next;
@@ -874,6 +881,41 @@ pub(crate) fn push_group() -> usize {
     *G.get_or_init(|| {
         std::env::var("TANDEM_KV_PUSH_GROUP").ok().and_then(|v| v.parse().ok()).map_or(PUSH_GROUP, |g: usize| g.clamp(PUSH_GROUP, PULL_BATCH))
     })
+}
+
+/// Whether a writing sender enqueues a group's copies as one `cuMemcpyBatchAsync` (CUDA 13
+/// drivers; `TANDEM_KV_NO_BATCH_COPY=1` keeps one `cuMemcpyDtoDAsync` per run, for comparing).
+/// The copy engines pay ~3 µs per copy for copies enqueued one by one — 32 layer runs of 8 MiB
+/// across NVLink took 780 µs where one 256 MiB copy takes 687 — and a batch of them 702–725.
+fn batch_copies() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let mut version = 0;
+        // SAFETY: `version` is a valid out slot; the driver is loaded (a context exists).
+        let driver = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+        driver == cudarc::driver::sys::CUresult::CUDA_SUCCESS && version >= 13000 && std::env::var_os("TANDEM_KV_NO_BATCH_COPY").is_none()
+    })
+}
+
+/// Enqueues the copies `runs` `(destination, source, bytes)` on `stream` as one batch, in stream
+/// order (each source read after the stream's earlier work).
+///
+/// # Safety
+/// Each range must be device memory the caller may read (sources) or write (destinations) until
+/// the stream's work behind this call completed; `stream` a live stream of the bound context.
+unsafe fn copy_batch(runs: &[CopyRun], stream: cudarc::driver::sys::CUstream) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys::{CUmemcpyAttributes, CUmemcpySrcAccessOrder, cuMemcpyBatchAsync_v2};
+    let mut dsts: Vec<u64> = runs.iter().map(|r| r.0).collect();
+    let mut srcs: Vec<u64> = runs.iter().map(|r| r.1).collect();
+    let mut sizes: Vec<usize> = runs.iter().map(|r| r.2).collect();
+    // SAFETY: plain data; zero is a valid value of every field (no location hints: the pools are
+    // plain device allocations, for which the driver ignores them).
+    let mut attrs: CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+    attrs.srcAccessOrder = CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    let mut first = 0usize;
+    // SAFETY: the three arrays hold `runs.len()` entries each, one attribute applies from index
+    // 0; the ranges are the caller's contract.
+    unsafe { cuMemcpyBatchAsync_v2(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), runs.len(), &mut attrs, &mut first, 1, stream) }.result()
 }
 
 /// Whether receivers let a sender's GPU push (`TANDEM_KV_NO_PUSH=1` turns it off, so a run can
