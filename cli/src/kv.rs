@@ -460,7 +460,10 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
         ..ConnectorConfig::default()
     };
     let max_mib = *args.sizes.iter().max().expect("non-empty");
-    let pool_blocks = if args.exact_pool { max_mib } else { 2 * max_mib };
+    let pool_blocks = match args.exact_pool {
+        true => max_mib,
+        false => max_mib.checked_mul(2).context("--sizes: the largest transfer is too large")?,
+    };
     let timing = Timing::of(&args, devices, pool_blocks);
     let g = big_geometry();
     let (src, dst) = (filled(&g, pool_blocks, devices.src)?, pool(&g, pool_blocks, devices.dst)?);

@@ -39,6 +39,10 @@ fn bench_kv_prints_ratios_against_a_raw_socket() {
     let ratio: f64 = row.split_whitespace().nth(4).unwrap().trim_end_matches('%').parse().unwrap();
     assert!(ratio > 0.0, "{row}");
     assert!(out.contains("latency of 64 KiB transfers (10 runs)"), "{out}");
+    // Pools of twice the largest transfer, unless --exact-pool.
+    assert!(out.contains("pools of 2 MiB in cpu,"), "{out}");
+    let exact = stdout_of(&["bench", "kv", "--backend", "inproc", "--sizes", "1", "--iters", "1", "--latency-iters", "1", "--exact-pool"]);
+    assert!(exact.contains("pools of 1 MiB in cpu (--exact-pool),"), "{exact}");
 }
 
 #[test]
@@ -53,6 +57,8 @@ fn bad_specs_and_arguments_are_refused() {
     assert!(err.contains("no conformance case"), "{err}");
     let err = fails(&["bench", "kv", "--backend", "tcp", "--sizes", "0"]);
     assert!(err.contains("must all be > 0"), "{err}");
+    let err = fails(&["bench", "kv", "--backend", "inproc", "--sizes", "4294967295"]);
+    assert!(err.contains("too large"), "{err}");
     let err = fails(&["bench", "kv", "--backend", "plugin:"]);
     assert!(err.contains("empty plugin path"), "{err}");
     // Device backends on a machine without a GPU: one clear error, never a panic or a quiet switch.
