@@ -122,8 +122,6 @@ struct Writer {
     local: Vec<RawEvent>,
     stream: Arc<CudaStream>,
     next: usize,
-    /// Whether a group of copies goes as one `cuMemcpyBatchAsync` (see [`batch_copies`]).
-    batch: bool,
 }
 
 /// A CUDA event made with raw flags (interprocess events need two of them), destroyed on drop.
@@ -223,7 +221,7 @@ impl DeviceKv {
             let ipc = no_timing | cudarc::driver::sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
             let events = (0..WRITE_EVENTS).map(|_| make(ipc)).collect::<Result<Vec<_>>>()?;
             let local = (0..WRITE_EVENTS).map(|_| make(no_timing)).collect::<Result<Vec<_>>>()?;
-            *guard = Some(Writer { events, local, stream, next: 0, batch: batch_copies() });
+            *guard = Some(Writer { events, local, stream, next: 0 });
         }
         f(guard.as_mut().expect("made above"))
     }
@@ -259,7 +257,7 @@ impl DeviceKv {
             crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
             let mut events = Vec::with_capacity(groups.len());
             for runs in groups {
-                if w.batch && runs.len() > 1 {
+                if runs.len() > 1 && batch_copies() {
                     // SAFETY: the caller's contract above; stream-ordered on the write stream.
                     unsafe { copy_batch(runs, w.stream.cu_stream()) }.map_err(err("writing KV blocks into the receiver's pool"))?;
                 } else {
