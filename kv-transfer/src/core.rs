@@ -447,13 +447,7 @@ impl Core {
             return;
         }
         let mut t = rx.transfers.remove(&id).expect("present");
-        if let Some(timer) = t.fence_timer.take() {
-            timer.abort();
-        }
         rx.remember_ended(id);
-        if let Some(timer) = t.timer.take() {
-            timer.abort();
-        }
         drop(t.claim.take()); // blocks free before anyone can observe the terminal state
         let state = match outcome {
             Ok(()) => {
@@ -484,6 +478,11 @@ impl Core {
             p.bytes = t.bytes;
             p.state = state;
         });
+        // The timers go after the outcome is out (aborting one wakes a runtime worker): one that
+        // fires meanwhile finds the transfer ended.
+        for timer in [t.fence_timer.take(), t.timer.take()].into_iter().flatten() {
+            timer.abort();
+        }
     }
 
     pub(crate) fn rx_cancel(&self, id: u64) {
