@@ -164,6 +164,13 @@ fn direct_enabled() -> bool {
     *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NCCL_STAGED").is_none())
 }
 
+/// Whether a batch's NCCL operations go in one group over every lane
+/// (`TANDEM_KV_NCCL_ONE_GROUP=1`, for comparing) rather than in a group per lane, lane by lane.
+fn one_group() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NCCL_ONE_GROUP").is_some())
+}
+
 /// A chunk in a staging buffer: `(layer, block ids in the pool, first staging block)`.
 type StagedChunk = (u32, Vec<u32>, u32);
 
@@ -783,9 +790,26 @@ impl LinkGpu {
             // SAFETY: the caller's contract; each lane's stream is this link's, of the same context.
             unsafe { comms[l].p2p(dir, buf, bytes, peer, self.lane_stream(l).cu_stream() as *mut std::ffi::c_void) }
         };
+        let lanes = comms.len();
         match ops {
             [op] => issue(0, *op)?,
-            _ => ffi::api().map_err(|e| e.to_string())?.group(|| ops.iter().enumerate().try_for_each(|(i, op)| issue(i, *op)))?,
+            _ if lanes == 1 || one_group() => {
+                ffi::api().map_err(|e| e.to_string())?.group(|| ops.iter().enumerate().try_for_each(|(i, op)| issue(i, *op)))?
+            }
+            _ => {
+                // Lane by lane, each lane's operations a group of their own: NCCL launches a
+                // group's kernels when the group ends, after ~10 us of host work per communicator
+                // in it, so the first lane's operations reach their stream after one
+                // communicator's share instead of after every lane's (a lane's operations stay in
+                // the batch's order, so both ends still match them one for one).
+                let api = ffi::api().map_err(|e| e.to_string())?;
+                for j in 0..lanes.min(ops.len()) {
+                    match (j..ops.len()).step_by(lanes).collect::<Vec<_>>()[..] {
+                        [i] => issue(i, ops[i])?,
+                        ref mine => api.group(|| mine.iter().try_for_each(|&i| issue(i, ops[i])))?,
+                    }
+                }
+            }
         }
         super::kv_trace!("nccl enqueue of {} operations: issued", ops.len());
         for &l in &others {
@@ -1095,15 +1119,6 @@ impl NcclLink {
         }
     }
 
-    async fn write(&self, wr: &mut OwnedWriteHalf, msg: &Control) -> Result<()> {
-        let mut torn = self.state.torn_guard();
-        wire::write(wr, msg)
-            .await
-            .map_err(|e| self.link_err(e.to_string()))?;
-        torn.disarm();
-        Ok(())
-    }
-
     /// Messages (sender side), in order: those without payload as they are, runs of those with
     /// one as batches (as many as a staging buffer and [`wire::MAX_BATCH`] allow).
     async fn send_messages(&self, messages: Vec<(Vec<u8>, Payload)>) -> Result<()> {
@@ -1111,31 +1126,61 @@ impl NcclLink {
         let Some(wr) = guard.as_mut() else {
             return Err(self.link_err("link closed"));
         };
+        super::kv_trace!("nccl send of {} messages: link locked", messages.len());
         let capacity = self.transport.upgrade().map_or(0, |t| t.staging_bytes as u64);
         let mut group: Vec<(Vec<u8>, Payload)> = Vec::new();
         let mut bytes = 0u64;
+        // Messages without payload go out in one write with the next batch's announcement (a
+        // transfer's `Start` with its first chunks: one socket write, tens of microseconds, fewer
+        // before the receiver can post its receives), or at the end.
+        let mut ahead: Vec<u8> = Vec::new();
         for (header, payload) in messages {
             let full = !group.is_empty() && (payload.is_empty() || bytes + payload.len() > capacity || group.len() == wire::MAX_BATCH);
             if full {
-                self.send_group(wr, std::mem::take(&mut group)).await?;
+                self.send_group_after(wr, &mut ahead, std::mem::take(&mut group)).await?;
                 bytes = 0;
             }
             if payload.is_empty() {
-                self.write(wr, &Control::Msg { payload_len: 0, header }).await?;
+                ahead.extend_from_slice(&Control::Msg { payload_len: 0, header }.encode());
             } else {
                 bytes += payload.len();
                 group.push((header, payload));
             }
         }
         if !group.is_empty() {
-            self.send_group(wr, group).await?;
+            self.send_group_after(wr, &mut ahead, group).await?;
+        }
+        if !ahead.is_empty() {
+            let mut torn = self.state.torn_guard();
+            wr.write_all(&ahead).await.map_err(|e| self.link_err(e.to_string()))?;
+            torn.disarm();
         }
         Ok(())
     }
 
+    /// [`NcclLink::send_group`], with `ahead` (encoded messages) written before the batch's
+    /// announcement — or alone, should the batch fail before it is announced.
+    async fn send_group_after(&self, wr: &mut OwnedWriteHalf, ahead: &mut Vec<u8>, group: Vec<(Vec<u8>, Payload)>) -> Result<()> {
+        let sent = self.send_group(wr, ahead, group).await;
+        if sent.is_err() && !ahead.is_empty() {
+            let mut torn = self.state.torn_guard();
+            if wr.write_all(&std::mem::take(ahead)).await.is_ok() {
+                torn.disarm();
+            }
+        }
+        sent
+    }
+
+    /// Writes `ahead` and then the announcement `msg` in one write; `ahead` is left empty.
+    async fn announce(wr: &mut OwnedWriteHalf, ahead: &mut Vec<u8>, msg: &Control) -> std::io::Result<()> {
+        let mut out = std::mem::take(ahead);
+        out.extend_from_slice(&msg.encode());
+        wr.write_all(&out).await
+    }
+
     /// One batch of messages with payloads: enqueues the gather and the send behind it, announces
     /// the batch, and hands the payloads to the worker thread, which drops them once gathered.
-    async fn send_group(&self, wr: &mut OwnedWriteHalf, group: Vec<(Vec<u8>, Payload)>) -> Result<()> {
+    async fn send_group(&self, wr: &mut OwnedWriteHalf, ahead: &mut Vec<u8>, group: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         let (Some(t), true) = (self.transport.upgrade(), self.sender_side) else {
             return Err(Error::Unsupported {
                 backend: "nccl".into(),
@@ -1148,8 +1193,9 @@ impl NcclLink {
         }
         let (items, payloads): (Vec<(u64, Vec<u8>)>, Vec<Payload>) = group.into_iter().map(|(h, p)| ((p.len(), h), p)).unzip();
         let gpu = self.ready_gpu().await.map_err(|e| self.link_err(e))?;
+        super::kv_trace!("nccl batch of {} payloads: communicator ready", payloads.len());
         if let Some(plan) = t.direct_plan(&payloads) {
-            return self.send_direct(wr, &t, gpu, items, payloads, plan).await;
+            return self.send_direct(wr, ahead, &t, gpu, items, payloads, plan).await;
         }
         let (slot, permit) = t.slot(&self.closing).await.map_err(|e| self.link_err(e))?;
         // From the announcement to the send's enqueue the pair's NCCL operations are out of step:
@@ -1166,7 +1212,7 @@ impl NcclLink {
             Ok(()) => Moved::Staged,
             Err(reason) => Moved::StageFailed(reason.clone()),
         };
-        wire::write(wr, &Control::Batch { items, moved })
+        Self::announce(wr, ahead, &Control::Batch { items, moved })
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
         gpu.enqueue_p2p(Dir::Send, k, bytes as usize).map_err(|e| self.link_err(format!("sending chunks through NCCL: {e}")))?;
@@ -1183,9 +1229,11 @@ impl NcclLink {
     /// from the pool where its blocks are one run, else from staging after a gather of those
     /// payloads alone; announced as [`Moved::Direct`]; the worker thread drops the payloads once
     /// the sends ran.
+    #[allow(clippy::too_many_arguments)]
     async fn send_direct(
         &self,
         wr: &mut OwnedWriteHalf,
+        ahead: &mut Vec<u8>,
         t: &NcclTransport,
         gpu: Arc<LinkGpu>,
         items: Vec<(u64, Vec<u8>)>,
@@ -1233,7 +1281,7 @@ impl NcclLink {
         // the receiver posts its receives while the sends are enqueued here.
         let mut torn = self.state.torn_guard();
         super::kv_trace!("nccl direct batch of {} planned", items.len());
-        wire::write(wr, &Control::Batch { items, moved: Moved::Direct { corrupt } })
+        Self::announce(wr, ahead, &Control::Batch { items, moved: Moved::Direct { corrupt } })
             .await
             .map_err(|e| self.link_err(e.to_string()))?;
         super::kv_trace!("nccl direct batch announced");
