@@ -256,10 +256,34 @@ impl DeviceKv {
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
             crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
             let mut events = Vec::with_capacity(groups.len());
-            for runs in groups {
-                if runs.len() > 1 && batch_copies() {
-                    // SAFETY: the caller's contract above; stream-ordered on the write stream.
-                    unsafe { copy_batch(runs, w.stream.cu_stream()) }.map_err(err("writing KV blocks into the receiver's pool"))?;
+            // Traced: when the device reaches the first copy and finishes each group, seen by a
+            // thread that polls the events (the timeline's clock, to a microsecond or two).
+            let mut marks: Option<(RawEvent, Vec<(usize, cudarc::driver::sys::CUevent)>)> = None;
+            if crate::transport::tracing() {
+                let mut ev: cudarc::driver::sys::CUevent = std::ptr::null_mut();
+                let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                // SAFETY: `ev` is a valid out slot; the context is bound above; the stream is its.
+                unsafe {
+                    if cudarc::driver::sys::cuEventCreate(&mut ev, flags) == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                        let _ = cudarc::driver::sys::cuEventRecord(ev, w.stream.cu_stream());
+                        marks = Some((RawEvent(ev), Vec::new()));
+                    }
+                }
+            }
+            for (g, runs) in groups.iter().enumerate() {
+                // The first group's first run goes alone, ahead of the batch: the copy engines
+                // start on it a few microseconds after the call (a batch call costs ~10 us of host
+                // time before any of its copies runs), and the batch follows behind it.
+                let lead = usize::from(g == 0 && runs.len() > 2 && lead_copy());
+                if runs.len() - lead > 1 && batch_copies() {
+                    if let Some(&(dst, src, bytes)) = runs.first().filter(|_| lead == 1) {
+                        // SAFETY: the caller's contract above; stream-ordered on the write stream.
+                        unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
+                            .result()
+                            .map_err(err("writing KV blocks into the receiver's pool"))?;
+                    }
+                    // SAFETY: as above.
+                    unsafe { copy_batch(&runs[lead..], w.stream.cu_stream()) }.map_err(err("writing KV blocks into the receiver's pool"))?;
                 } else {
                     for &(dst, src, bytes) in runs {
                         // SAFETY: the caller's contract above; stream-ordered on the write stream.
@@ -276,7 +300,28 @@ impl DeviceKv {
                 // SAFETY: as above.
                 unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
                 crate::transport::kv_trace!("write group of {} copies enqueued, event {k}", runs.len());
+                if let Some((_, m)) = marks.as_mut() {
+                    m.push((runs.len(), w.local[k].0));
+                }
                 events.push(k);
+            }
+            if let Some((start, m)) = marks {
+                let ctx = Arc::clone(w.stream.context());
+                // (Events as handles: the local events live as long as the connector's device side.)
+                let m: Vec<(usize, usize)> = m.into_iter().map(|(n, e)| (n, e as usize)).collect();
+                std::thread::spawn(move || {
+                    use cudarc::driver::sys::{CUevent, CUresult, cuEventQuery};
+                    let start = start; // (moved whole: dropped, so destroyed, here)
+                    let _ = ctx.bind_to_thread();
+                    // SAFETY: the events are alive (see above); queried only.
+                    let wait = |e: CUevent| while unsafe { cuEventQuery(e) } == CUresult::CUDA_ERROR_NOT_READY {};
+                    wait(start.0);
+                    crate::transport::kv_trace!("device: the write stream reached the first copy");
+                    for (n, e) in m {
+                        wait(e as CUevent);
+                        crate::transport::kv_trace!("device: write group of {n} copies landed");
+                    }
+                });
             }
             Ok(events)
         })
@@ -893,6 +938,13 @@ fn batch_copies() -> bool {
         let driver = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
         driver == cudarc::driver::sys::CUresult::CUDA_SUCCESS && version >= 13000 && std::env::var_os("TANDEM_KV_NO_BATCH_COPY").is_none()
     })
+}
+
+/// Whether a write's first group has its first run copied alone ahead of the batch
+/// (`TANDEM_KV_NO_LEAD_COPY=1` batches it with the rest, for comparing).
+fn lead_copy() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NO_LEAD_COPY").is_none())
 }
 
 /// Enqueues the copies `runs` `(destination, source, bytes)` on `stream` as one batch, in stream

@@ -62,6 +62,11 @@ pub(crate) fn trace(what: std::fmt::Arguments<'_>) {
     }
 }
 
+/// Whether `TANDEM_KV_TRACE` records a timeline.
+pub(crate) fn tracing() -> bool {
+    trace_start().is_some()
+}
+
 fn trace_start() -> Option<&'static std::time::Instant> {
     static START: std::sync::OnceLock<Option<std::time::Instant>> = std::sync::OnceLock::new();
     START.get_or_init(|| std::env::var_os("TANDEM_KV_TRACE").map(|_| std::time::Instant::now())).as_ref()
