@@ -275,6 +275,24 @@ cluster2_body() {
     echo "prefill node killed mid-request: output == generate"
     got=$(cmd .device/tandem client --router "$router" --max-tokens 8 "still serving?" 2>/dev/null) || return 1
     echo "the decode node still serves: $got"
+    gen=$(cmd .device/tandem generate --model "$model" --device cuda --max-tokens 16 "$(after_kill_prompt)") || return 1
+    after_kill "$gen" "${node[@]}" --gpu-memory-utilization 0.6
+}
+
+# A prefill node started after one was killed mid-transfer: its transfers into the same decode node
+# work again (nothing the killed sender left — its mapping, its write events — holds up the decode
+# node's verification). $1: what `tandem generate` answers to `after_kill_prompt` (16 tokens);
+# prefill node flags in the rest; the cluster's router in $router.
+after_kill_prompt() { for i in $(seq 1 60); do printf 'note %d on the bridges of a river town. ' "$i"; done; }
+after_kill() {
+    local gen=$1 got; shift
+    start_bg prefill prefill "$@" >/dev/null || return 1
+    sleep 3
+    got=$(cmd .device/tandem client --router "$router" --max-tokens 16 "$(after_kill_prompt)" 2>/dev/null) || return 1
+    [[ "$gen" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen" "$got"; echo "after the kill: wrong output"; return 1; }
+    grep "first KV transfer" "$OUT/prefill.log" | tail -1
+    grep -q "first KV transfer" "$OUT/prefill.log" || { echo "the prefill node started after the kill transferred nothing"; return 1; }
+    echo "a prefill node started after the kill transfers into the same decode node: output == generate"
 }
 
 stage_disagg() {
@@ -371,7 +389,7 @@ stage_gpus_cluster() {
 }
 
 gpus_cluster_body() {
-    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long fresh gen gen_long gen_fresh got used i
+    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long fresh gen gen_long gen_fresh gen_after got used i
     local node=(--etcd "$etcd" --ttl 2 --model "$model" --kv-connector "$backend")
     prompt="the quick brown fox jumps over the lazy dog and then runs far away into the forest"
     long=$(for i in $(seq 1 120); do printf 'sentence %d of a long document about ships. ' "$i"; done)
@@ -380,6 +398,7 @@ gpus_cluster_body() {
     # the kill's prompt: one the decode node has not cached, so its whole KV is in flight
     fresh=$(for i in $(seq 1 100); do printf 'paragraph %d of a report on rivers and %s. ' "$i" "$backend"; done)
     gen_fresh=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$fresh" 2>/dev/null) || return 1
+    gen_after=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$(after_kill_prompt)" 2>/dev/null) || return 1
     # the same split in one process: tandem up --devices
     got=$(cmd .device/tandem up --model "$model" --device cuda --devices cuda:0,cuda:1 --kv-connector "$backend" \
         --max-tokens 24 --listen 127.0.0.1:0 --prompt "$prompt") || return 1
@@ -446,8 +465,9 @@ gpus_cluster_body() {
     fi
     echo "cuda:0 holds nothing of the killed prefill process:"
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/  /'
-    cp "$OUT/decode.log" "$OUT/decode-$backend.log"
     echo "$backend: prefill node killed mid-transfer: output == generate, every block free on both GPUs"
+    after_kill "$gen_after" "${node[@]}" --device cuda:0 || return 1
+    cp "$OUT/decode.log" "$OUT/decode-$backend.log"
 }
 
 stage_gpus_disagg() {
