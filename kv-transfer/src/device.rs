@@ -306,22 +306,9 @@ impl DeviceKv {
                 events.push(k);
             }
             if let Some((start, m)) = marks {
-                let ctx = Arc::clone(w.stream.context());
                 // (Events as handles: the local events live as long as the connector's device side.)
                 let m: Vec<(usize, usize)> = m.into_iter().map(|(n, e)| (n, e as usize)).collect();
-                std::thread::spawn(move || {
-                    use cudarc::driver::sys::{CUevent, CUresult, cuEventQuery};
-                    let start = start; // (moved whole: dropped, so destroyed, here)
-                    let _ = ctx.bind_to_thread();
-                    // SAFETY: the events are alive (see above); queried only.
-                    let wait = |e: CUevent| while unsafe { cuEventQuery(e) } == CUresult::CUDA_ERROR_NOT_READY {};
-                    wait(start.0);
-                    crate::transport::kv_trace!("device: the write stream reached the first copy");
-                    for (n, e) in m {
-                        wait(e as CUevent);
-                        crate::transport::kv_trace!("device: write group of {n} copies landed");
-                    }
-                });
+                trace_marks(Arc::clone(w.stream.context()), start, m);
             }
             Ok(events)
         })
@@ -938,6 +925,34 @@ fn batch_copies() -> bool {
         let driver = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
         driver == cudarc::driver::sys::CUresult::CUDA_SUCCESS && version >= 13000 && std::env::var_os("TANDEM_KV_NO_BATCH_COPY").is_none()
     })
+}
+
+/// `TANDEM_KV_TRACE=1`: one thread (started on first use) polls each write's events in turn and
+/// records when the device reached its first copy (`start`) and finished each group (`groups`:
+/// copies, event handle) — the timeline's clock, to a microsecond or two.
+fn trace_marks(ctx: Arc<CudaContext>, start: RawEvent, groups: Vec<(usize, usize)>) {
+    type Marks = (Arc<CudaContext>, RawEvent, Vec<(usize, usize)>);
+    static TRACER: OnceLock<Mutex<std::sync::mpsc::Sender<Marks>>> = OnceLock::new();
+    let tx = TRACER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Marks>();
+        std::thread::spawn(move || {
+            use cudarc::driver::sys::{CUevent, CUresult, cuEventQuery};
+            // SAFETY: the events are alive (the start event is held here, the others live as long
+            // as their connector's device side); queried only.
+            let wait = |e: CUevent| while unsafe { cuEventQuery(e) } == CUresult::CUDA_ERROR_NOT_READY {};
+            for (ctx, start, groups) in rx {
+                let _ = ctx.bind_to_thread();
+                wait(start.0);
+                crate::transport::kv_trace!("device: the write stream reached the first copy");
+                for (n, e) in groups {
+                    wait(e as CUevent);
+                    crate::transport::kv_trace!("device: write group of {n} copies landed");
+                }
+            }
+        });
+        Mutex::new(tx)
+    });
+    let _ = lock(tx).send((ctx, start, groups));
 }
 
 /// Whether a write's first group has its first run copied alone ahead of the batch
