@@ -1132,7 +1132,8 @@ impl NcclLink {
         let mut bytes = 0u64;
         // Messages without payload go out in one write with the next batch's announcement (a
         // transfer's `Start` with its first chunks: one socket write, tens of microseconds, fewer
-        // before the receiver can post its receives), or at the end.
+        // before the receiver can post its receives) — alone first if that batch would wait
+        // (see `flush_ahead`) — or at the end.
         let mut ahead: Vec<u8> = Vec::new();
         for (header, payload) in messages {
             let full = !group.is_empty() && (payload.is_empty() || bytes + payload.len() > capacity || group.len() == wire::MAX_BATCH);
@@ -1150,11 +1151,20 @@ impl NcclLink {
         if !group.is_empty() {
             self.send_group_after(wr, &mut ahead, group).await?;
         }
-        if !ahead.is_empty() {
-            let mut torn = self.state.torn_guard();
-            wr.write_all(&ahead).await.map_err(|e| self.link_err(e.to_string()))?;
-            torn.disarm();
+        self.flush_ahead(wr, &mut ahead).await
+    }
+
+    /// Writes `ahead` (encoded messages) now, if any: before anything that may wait (the
+    /// communicator still being made, no free pull slot), so a transfer's `Start` reaches the
+    /// receiver without waiting for its first batch (a receiver that times out or gives up on it
+    /// meanwhile must know the sender to tell it).
+    async fn flush_ahead(&self, wr: &mut OwnedWriteHalf, ahead: &mut Vec<u8>) -> Result<()> {
+        if ahead.is_empty() {
+            return Ok(());
         }
+        let mut torn = self.state.torn_guard();
+        wr.write_all(&std::mem::take(ahead)).await.map_err(|e| self.link_err(e.to_string()))?;
+        torn.disarm();
         Ok(())
     }
 
@@ -1162,11 +1172,8 @@ impl NcclLink {
     /// announcement — or alone, should the batch fail before it is announced.
     async fn send_group_after(&self, wr: &mut OwnedWriteHalf, ahead: &mut Vec<u8>, group: Vec<(Vec<u8>, Payload)>) -> Result<()> {
         let sent = self.send_group(wr, ahead, group).await;
-        if sent.is_err() && !ahead.is_empty() {
-            let mut torn = self.state.torn_guard();
-            if wr.write_all(&std::mem::take(ahead)).await.is_ok() {
-                torn.disarm();
-            }
+        if sent.is_err() {
+            let _ = self.flush_ahead(wr, ahead).await;
         }
         sent
     }
@@ -1192,10 +1199,16 @@ impl NcclLink {
             return Err(Error::Invalid(format!("a {bytes}-byte payload exceeds the nccl staging buffer")));
         }
         let (items, payloads): (Vec<(u64, Vec<u8>)>, Vec<Payload>) = group.into_iter().map(|(h, p)| ((p.len(), h), p)).unzip();
+        if !matches!(*self.gpu.borrow(), GpuState::Ready(_)) {
+            self.flush_ahead(wr, ahead).await?;
+        }
         let gpu = self.ready_gpu().await.map_err(|e| self.link_err(e))?;
         super::kv_trace!("nccl batch of {} payloads: communicator ready", payloads.len());
         if let Some(plan) = t.direct_plan(&payloads) {
             return self.send_direct(wr, ahead, &t, gpu, items, payloads, plan).await;
+        }
+        if t.slots.available_permits() == 0 {
+            self.flush_ahead(wr, ahead).await?;
         }
         let (slot, permit) = t.slot(&self.closing).await.map_err(|e| self.link_err(e))?;
         // From the announcement to the send's enqueue the pair's NCCL operations are out of step:
@@ -1242,6 +1255,9 @@ impl NcclLink {
     ) -> Result<()> {
         let bb = t.memory.geometry().block_bytes();
         let scattered = plan.iter().any(|(_, _, at)| at.is_none());
+        if scattered && t.slots.available_permits() == 0 {
+            self.flush_ahead(wr, ahead).await?;
+        }
         let slot = if scattered { Some(t.slot(&self.closing).await.map_err(|e| self.link_err(e))?) } else { None };
         let corrupt = t.pick_corrupt(payloads.len()).map(|i| i as u32);
         // (Each side uses its staging buffers in turn, batch by batch.)
