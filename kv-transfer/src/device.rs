@@ -929,7 +929,9 @@ fn batch_copies() -> bool {
 
 /// `TANDEM_KV_TRACE=1`: one thread (started on first use) polls each write's events in turn and
 /// records when the device reached its first copy (`start`) and finished each group (`groups`:
-/// copies, event handle) — the timeline's clock, to a microsecond or two.
+/// copies, event handle) — the timeline's clock, to a microsecond or two. A diagnostic: an event
+/// recorded again meanwhile is seen at its later record, and one whose connector is gone ends the
+/// wait with an error (benches and traced runs keep their connectors).
 fn trace_marks(ctx: Arc<CudaContext>, start: RawEvent, groups: Vec<(usize, usize)>) {
     type Marks = (Arc<CudaContext>, RawEvent, Vec<(usize, usize)>);
     static TRACER: OnceLock<Mutex<std::sync::mpsc::Sender<Marks>>> = OnceLock::new();

@@ -1286,8 +1286,9 @@ const WRITE_GROUP_MIN: usize = 32 << 20;
 /// How a sender cuts a batch of chunk writes (of these sizes, in order) into groups, each with a
 /// write event behind it that the receiver verifies the group behind: the ends of the groups
 /// (exclusive chunk indices). Each group takes about half of the bytes left (at least one chunk),
-/// until at most `min` are left, which go in one group: with `WRITE_GROUP_MIN`, 256 MiB of 8 MiB
-/// chunks go as 128, 64, 32 and 32 MiB. Few, big copies keep the copy engines at the link's rate (every
+/// until at most `min` are left, which go in one group — but for the last chunk, a group of its
+/// own once the batch was cut: with `WRITE_GROUP_MIN`, 256 MiB of 8 MiB chunks go as 128, 64, 32,
+/// 24 and 8 MiB. Few, big copies keep the copy engines at the link's rate (every
 /// copy boundary costs them a few microseconds); the halving keeps the receiver's verification of
 /// each group (several times faster than the link) done while the next group still moves, so what
 /// is left after the last byte landed is the verification of a small last group.
@@ -1480,10 +1481,14 @@ mod tests {
             let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN);
             assert_eq!(ends.last().copied().unwrap_or(0), n);
             assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends.first().is_none_or(|&e| e > 0));
-            // The last group is small once the batch is big: at most WRITE_GROUP_MIN plus one chunk.
-            if let [.., a, b] = ends[..] {
-                let last: usize = sizes[a..b].iter().sum();
-                assert!(last <= WRITE_GROUP_MIN + 12 * MIB, "last group of {last} bytes");
+            // Once the batch is cut, its last chunk is a group of its own, and the one before it
+            // holds at most WRITE_GROUP_MIN plus one chunk.
+            if let [.., z, a, b] = ends[..] {
+                assert_eq!(b - a, 1, "the last group is one chunk");
+                let before: usize = sizes[z..a].iter().sum();
+                assert!(before <= WRITE_GROUP_MIN + 12 * MIB, "next-to-last group of {before} bytes");
+            } else if let [a, b] = ends[..] {
+                assert_eq!(b - a, 1, "the last group is one chunk");
             }
         }
     }
