@@ -275,22 +275,17 @@ impl DeviceKv {
                 // start on it a few microseconds after the call (a batch call costs ~10 us of host
                 // time before any of its copies runs), and the batch follows behind it.
                 let lead = usize::from(g == 0 && runs.len() > 2 && lead_copy());
-                if runs.len() - lead > 1 && batch_copies() {
-                    if let Some(&(dst, src, bytes)) = runs.first().filter(|_| lead == 1) {
-                        // SAFETY: the caller's contract above; stream-ordered on the write stream.
-                        unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
-                            .result()
-                            .map_err(err("writing KV blocks into the receiver's pool"))?;
-                    }
+                // Copied one by one: the lead run, or every run where the group is not batched.
+                let single = if runs.len() - lead > 1 && batch_copies() { lead } else { runs.len() };
+                for &(dst, src, bytes) in &runs[..single] {
+                    // SAFETY: the caller's contract above; stream-ordered on the write stream.
+                    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
+                        .result()
+                        .map_err(err("writing KV blocks into the receiver's pool"))?;
+                }
+                if single < runs.len() {
                     // SAFETY: as above.
-                    unsafe { copy_batch(&runs[lead..], w.stream.cu_stream()) }.map_err(err("writing KV blocks into the receiver's pool"))?;
-                } else {
-                    for &(dst, src, bytes) in runs {
-                        // SAFETY: the caller's contract above; stream-ordered on the write stream.
-                        unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, w.stream.cu_stream()) }
-                            .result()
-                            .map_err(err("writing KV blocks into the receiver's pool"))?;
-                    }
+                    unsafe { copy_batch(&runs[single..], w.stream.cu_stream()) }.map_err(err("writing KV blocks into the receiver's pool"))?;
                 }
                 crate::transport::kv_trace!("write group of {} copies: copies enqueued", runs.len());
                 let k = w.next;
