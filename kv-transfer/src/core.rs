@@ -1289,12 +1289,8 @@ impl SendJob {
         if out.dead.load(Ordering::Acquire) {
             return Err(Error::LinkFailed { peer: link.peer().to_string(), reason: "link closed".into() });
         }
-        let start = Frame::Start {
-            id: desc.id,
-            num_blocks: desc.dst_blocks.len() as u32,
-            blocks_hash: frame::blocks_hash(&desc.dst_blocks),
-            binding: self.binding,
-        };
+        let blocks_hash = frame::blocks_hash(&desc.dst_blocks);
+        let start = Frame::Start { id: desc.id, num_blocks: desc.dst_blocks.len() as u32, blocks_hash, binding: self.binding };
         let n = self.claim.blocks().len();
         // `Start` goes out in one write with the first chunks (one socket message and one wake-up of
         // the receiver fewer per transfer); alone when there are no blocks.
@@ -1335,7 +1331,7 @@ impl SendJob {
                 // Only for the blocks and the content the receiver expects: what it would refuse at
                 // `Start` is never written into its pool.
                 let granted = link.writes_directly()
-                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(frame::blocks_hash(&desc.dst_blocks), self.binding));
+                    && lock(&core.tx).grants.get(&(link.id(), desc.id)) == Some(&(blocks_hash, self.binding));
                 let ready = (*self.pushed.borrow()).min(num_layers);
                 // Device pools (and links that write granted transfers themselves) take the ready
                 // layers in two steps: the first eighth (the link starts moving it at once), then
@@ -1343,9 +1339,11 @@ impl SendJob {
                 // host work, so the link never waits for the host); the link cuts batches or
                 // verification groups of its own. Every batch costs both hosts tens of
                 // microseconds, which small batches (groups of 1, 2, 4 layers of all ready) do
-                // not hide behind their bytes at hundreds of GB/s. Host pools go in groups
-                // doubling from one layer (the first chunk leaves at once, each is summed on the
-                // host while the previous moves).
+                // not hide behind their bytes at hundreds of GB/s (handing a writing link the
+                // first layer alone, then the rest of the eighth, measured no better: each call's
+                // host work outlasted the layer before it). Host pools go in groups doubling from
+                // one layer (the first chunk leaves at once, each is summed on the host while the
+                // previous moves).
                 let two_steps = granted || core.device.is_some();
                 let end = match two_steps {
                     true if layer == 0 => ready.div_ceil(FIRST_WRITE_DIV),

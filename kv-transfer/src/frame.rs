@@ -198,11 +198,13 @@ fn err<T>(msg: impl Into<String>) -> Result<T, FrameError> {
 
 /// Hash of a destination block list, as carried in `Start`.
 pub fn blocks_hash(blocks: &[u32]) -> u64 {
-    let mut h = XxHash3_64::new();
+    // One pass over the ids' little-endian bytes (what hashing them one by one gives, ~10x faster:
+    // it is on the path between `send_ready` and the first byte moving).
+    let mut bytes = Vec::with_capacity(4 * blocks.len());
     for b in blocks {
-        h.write(&b.to_le_bytes());
+        bytes.extend_from_slice(&b.to_le_bytes());
     }
-    h.finish()
+    XxHash3_64::oneshot(&bytes)
 }
 
 /// Checksum of a payload given as consecutive byte slices.
@@ -530,6 +532,19 @@ mod tests {
         let sum = xxh3_64(&out) as u32;
         out.extend_from_slice(&sum.to_le_bytes());
         assert!(Frame::decode(&out).is_err());
+    }
+
+    proptest! {
+        // The wire value of `blocks_hash`: the ids hashed one by one as little-endian u32s (the
+        // streaming definition peers of earlier builds compute).
+        #[test]
+        fn blocks_hash_is_the_ids_hashed_one_by_one(ids in proptest::collection::vec(any::<u32>(), 0..600)) {
+            let mut h = XxHash3_64::new();
+            for b in &ids {
+                h.write(&b.to_le_bytes());
+            }
+            prop_assert_eq!(blocks_hash(&ids), h.finish());
+        }
     }
 
     proptest! {
