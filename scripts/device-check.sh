@@ -44,7 +44,8 @@
 #                 bare NCCL send and cudaMemcpyPeer of the same bytes; nccl again staged
 #                 (TANDEM_KV_NCCL_STAGED=1: conformance and bench); cuda-ipc again receiver-driven
 #                 (TANDEM_KV_NO_SENDER_WRITES=1: conformance and bench) and with pulls (also
-#                 TANDEM_KV_NO_PUSH=1), and the timeline of one traced 256 MiB transfer of each backend
+#                 TANDEM_KV_NO_PUSH=1), the timeline of one traced 256 MiB transfer of each backend,
+#                 and both backends again with the receivers in a second process (--two-processes)
 #   gpus_cluster  with --kv-connector nccl and then cuda-ipc: tandem up --devices cuda:0,cuda:1
 #                 == generate; etcd + router + prefill node on cuda:0 + decode node on cuda:1 as
 #                 processes: client output == generate; a prefill node
@@ -359,6 +360,11 @@ stage_gpus_kv() {
     echo "---- both backends, --exact-pool, 256 MiB"
     cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --sizes 256 --latency-iters 1 --exact-pool || rc=1
     cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --sizes 256 --latency-iters 1 --exact-pool || rc=1
+    # the receivers in a second process, as a decode node's are (real IPC handles and events, NCCL
+    # across processes), for comparison
+    echo "---- both backends, --two-processes"
+    cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 50 --two-processes || rc=1
+    cmd .device/tandem bench kv --backend cuda-ipc --device cuda:0,cuda:1 --latency-iters 50 --two-processes || rc=1
     return "$rc"
 }
 

@@ -61,6 +61,19 @@ pub(crate) struct KvBenchArgs {
     /// is a run of its own, as a fresh request's are.
     #[arg(long)]
     exact_pool: bool,
+    /// Run the receiving connectors in a second process (this command, started as a child), as a
+    /// decode node's run beside a prefill node's: each process has its own driver state and
+    /// threads, and device backends take their cross-process path (CUDA IPC handles and events,
+    /// NCCL across processes). A transfer is timed from the sender's `send_ready` to the moment
+    /// the child sees it verified, both on the host's monotonic clock.
+    #[arg(long)]
+    two_processes: bool,
+    /// (The child of --two-processes: serve receivers, driven over stdin and stdout.)
+    #[arg(long, hide = true)]
+    serve_receivers: bool,
+    /// (The child of --two-processes: blocks of its big pool.)
+    #[arg(long, hide = true, default_value_t = 0)]
+    pool_blocks: u32,
 }
 
 /// Where the pools live: the senders' and the receivers' (the same unless two GPUs are named).
@@ -378,6 +391,189 @@ impl Raw {
     }
 }
 
+/// Which of the receivers' pools a transfer goes to.
+#[derive(Debug, Clone, Copy)]
+enum Pool {
+    /// `big_geometry`, `Timing::pool_blocks` blocks.
+    Big,
+    /// `small_geometry`, one block.
+    Small,
+}
+
+/// One transfer into `rx` here, or into the child's receivers.
+async fn timed(tx: &Connector, rx: Option<&Connector>, child: Option<&mut ReceiverProcess>, pool: Pool, blocks: u32, timing: Timing) -> anyhow::Result<Duration> {
+    match (child, rx) {
+        (Some(child), _) => child.once(tx, pool, blocks, timing).await,
+        (None, Some(rx)) => kv_once(tx, rx, blocks, timing).await,
+        (None, None) => bail!("no receiver"),
+    }
+}
+
+/// The host's monotonic clock in nanoseconds, which every process of the host reads alike (a
+/// `std::time::Instant` cannot cross a process boundary).
+fn monotonic_ns() -> u64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The child process of `--two-processes`: this command again, with `--serve-receivers`, holding
+/// the receiving connectors and their pools; driven by lines over its stdin and stdout.
+struct ReceiverProcess {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    /// The big pool's geometry, as the child's receivers name it in their descriptors.
+    big: Geometry,
+    small: Geometry,
+}
+
+impl ReceiverProcess {
+    fn start(args: &KvBenchArgs, device: Option<i32>, pool_blocks: u32) -> anyhow::Result<ReceiverProcess> {
+        use std::process::{Command, Stdio};
+        let exe = std::env::current_exe().context("finding this executable")?;
+        let device = device.map_or("cpu".to_string(), |d| format!("cuda:{d}"));
+        let mut cmd = Command::new(exe);
+        cmd.args(["bench", "kv", "--serve-receivers", "--backend", &args.backend, "--device", &device])
+            .args(["--pool-blocks", &pool_blocks.to_string(), "--small-kib", &args.small_kib.to_string()])
+            .args(["--chunk-kib", &args.chunk_kib.to_string()]);
+        if args.idle_start {
+            cmd.arg("--idle-start");
+        }
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("starting the receivers' process")?;
+        let (stdin, stdout) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
+        let mut p = ReceiverProcess { child, stdin, stdout: std::io::BufReader::new(stdout), big: big_geometry(), small: small_geometry(args.small_kib)? };
+        match p.line()?.as_str() {
+            "ready" => Ok(p),
+            other => bail!("the receivers' process: {other}"),
+        }
+    }
+
+    /// The child's next line (an error when it ended or reported one).
+    fn line(&mut self) -> anyhow::Result<String> {
+        use std::io::BufRead;
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            let status = self.child.wait()?;
+            bail!("the receivers' process ended ({status})");
+        }
+        let line = line.trim_end().to_string();
+        match line.strip_prefix("error ") {
+            Some(e) => bail!("the receivers' process: {e}"),
+            None => Ok(line),
+        }
+    }
+
+    /// One transfer of `blocks` blocks into the child's `pool` (its last blocks), every layer ready:
+    /// from `send_ready` here to the child seeing it verified, on the monotonic clock.
+    /// (Its reads of the child's lines block the thread: the bench's, never a runtime worker.)
+    async fn once(&mut self, tx: &Connector, pool: Pool, blocks: u32, timing: Timing) -> anyhow::Result<Duration> {
+        use std::io::Write;
+        let (name, geometry, pool_blocks) = match pool {
+            Pool::Big => ("big", self.big.clone(), timing.pool_blocks),
+            Pool::Small => ("small", self.small.clone(), 1),
+        };
+        let first = pool_blocks.checked_sub(blocks).context("a transfer larger than the pool")?;
+        writeln!(self.stdin, "expect {name} {first} {blocks}")?;
+        self.stdin.flush()?;
+        let line = self.line()?;
+        let mut f = line.splitn(4, ' ');
+        let (Some("desc"), Some(id), Some(binding), Some(endpoint)) = (f.next(), f.next(), f.next(), f.next()) else {
+            bail!("the receivers' process answered {line:?}");
+        };
+        let desc = tandem_kv_transfer::TransferDescriptor {
+            id: id.parse()?,
+            endpoint: endpoint.to_string(),
+            dst_blocks: (first..first + blocks).collect(),
+            geometry,
+            binding: binding.parse()?,
+        };
+        // The same head start as `kv_once`, outside the timed part.
+        let until = Instant::now() + Duration::from_millis(1);
+        if timing.idle_start {
+            std::thread::sleep(Duration::from_millis(1));
+        } else {
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+        let t0 = monotonic_ns();
+        let send = tx.send_ready(&desc, (0..blocks).collect(), 0, None)?;
+        let line = self.line()?;
+        let t1: u64 = line.strip_prefix("done ").with_context(|| format!("the receivers' process answered {line:?}"))?.parse()?;
+        let mut send = send;
+        send.wait().await?;
+        Ok(Duration::from_nanos(t1.saturating_sub(t0)))
+    }
+}
+
+impl Drop for ReceiverProcess {
+    fn drop(&mut self) {
+        // Its stdin closing ends it; a child stuck in a transfer is killed.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The child of `--two-processes`: the receiving connectors of both pools, driven over stdin
+/// (`expect big|small FIRST N`) and stdout (`ready`, then per transfer `desc ID BINDING ENDPOINT`
+/// and `done T` — T on the monotonic clock when it saw the transfer verified — or `error WHY`).
+fn serve_receivers(args: KvBenchArgs) -> anyhow::Result<()> {
+    use std::io::{BufRead, Write};
+    let device = parse_device(&args.device)?;
+    let spec = args.backend.parse::<ConnectorSpec>()?.resolve(device.is_some());
+    let rt = runtime()?;
+    let mut out = std::io::stdout().lock();
+    let made = rt.block_on(async {
+        let fabric = Fabric::new();
+        let config = ConnectorConfig { transfer_timeout: Duration::from_secs(120), max_chunk_bytes: args.chunk_kib << 10, ..ConnectorConfig::default() };
+        let big = Connector::from_spec(&spec, pool(&big_geometry(), args.pool_blocks, device)?, config.clone(), &fabric).await?;
+        let small = Connector::from_spec(&spec, pool(&small_geometry(args.small_kib)?, 1, device)?, config, &fabric).await?;
+        anyhow::Ok((big, small))
+    });
+    let (big, small) = match made {
+        Ok(c) => c,
+        Err(e) => {
+            writeln!(out, "error {e:#}")?;
+            return Err(e);
+        }
+    };
+    writeln!(out, "ready")?;
+    out.flush()?;
+    let spin = !args.idle_start && device.is_some();
+    // (The connectors' calls below need the runtime's context; their tasks run on its workers.)
+    let _in_runtime = rt.enter();
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let r = (|| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let ["expect", which, first, n] = f[..] else { bail!("unknown command {line:?}") };
+            let rx = if which == "small" { &small } else { &big };
+            let (first, n): (u32, u32) = (first.parse()?, n.parse()?);
+            let end = first.checked_add(n).context("a block range past u32")?;
+            let mut recv = rx.expect((first..end).collect(), 0, None)?;
+            let d = recv.descriptor();
+            writeln!(out, "desc {} {} {}", d.id, d.binding, d.endpoint)?;
+            out.flush()?;
+            if spin {
+                while matches!(recv.progress().state, TransferState::Pending) {
+                    std::hint::spin_loop();
+                }
+            }
+            rt.block_on(recv.wait())?;
+            anyhow::Ok(monotonic_ns())
+        })();
+        match r {
+            Ok(t) => writeln!(out, "done {t}")?,
+            Err(e) => writeln!(out, "error {e:#}")?,
+        }
+        out.flush()?;
+    }
+    for line in tandem_kv_transfer::trace_dump() {
+        eprintln!("{line}");
+    }
+    Ok(())
+}
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -408,9 +604,15 @@ fn memcpy_time(bytes: usize) -> Duration {
 }
 
 pub(crate) fn run_bench(args: KvBenchArgs) -> anyhow::Result<()> {
+    if args.serve_receivers {
+        return serve_receivers(args);
+    }
     let devices = parse_devices(&args.device)?;
     let spec = args.backend.parse::<ConnectorSpec>()?.resolve(devices.src.is_some());
     check_devices(&spec, devices)?;
+    if args.two_processes && (args.tls || matches!(spec, ConnectorSpec::Inproc(_))) {
+        bail!("--two-processes times a backend between processes: not with --tls, nor with inproc (one process only)");
+    }
     if args.sizes.is_empty() || args.sizes.contains(&0) || args.iters == 0 || args.latency_iters == 0 || args.small_kib == 0 || args.chunk_kib == 0 {
         bail!("sizes, iterations and the small size must all be > 0");
     }
@@ -466,9 +668,18 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     };
     let timing = Timing::of(&args, devices, pool_blocks);
     let g = big_geometry();
+    // (With --two-processes the child holds the receivers' pools; `dst` here serves the raw
+    // references only.)
     let (src, dst) = (filled(&g, pool_blocks, devices.src)?, pool(&g, pool_blocks, devices.dst)?);
     let tx = Connector::from_spec(&spec, Arc::clone(&src), config.clone(), &fabric).await?;
-    let rx = receiver(&rx_rt, &spec, &dst, &config, &fabric).await?;
+    let mut child = match args.two_processes {
+        true => Some(ReceiverProcess::start(&args, devices.dst, pool_blocks)?),
+        false => None,
+    };
+    let rx = match child {
+        Some(_) => None,
+        None => Some(receiver(&rx_rt, &spec, &dst, &config, &fabric).await?),
+    };
     // With --tls, a second pair over the same pools moving the same blocks over mutual TLS.
     let tls_spec = if args.tls { Some(with_throwaway_tls(&spec)?) } else { None };
     let tls_pair = match &tls_spec {
@@ -489,7 +700,11 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     println!(
         "tandem bench kv: backend {} ({}), pools of {} MiB in {}{}, {} cores, chunks of {} KiB, median of {} runs after 1 warm-up",
         tx.backend(),
-        rx.endpoint(),
+        match (&rx, &child) {
+            (Some(rx), _) => rx.endpoint(),
+            (None, Some(c)) => format!("receivers in process {}", c.child.id()),
+            (None, None) => unreachable!("receivers here or in a child"),
+        },
         pool_blocks,
         args.device,
         if args.exact_pool { " (--exact-pool)" } else { "" },
@@ -512,7 +727,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     );
     for &mib in &args.sizes {
         let bytes = (mib as usize) << 20;
-        kv_once(&tx, &rx, mib, timing).await?;
+        timed(&tx, rx.as_ref(), child.as_mut(), Pool::Big, mib, timing).await?;
         raw.once(bytes).await?;
         if let Some(r) = &mut raw2 {
             r.once(bytes).await?;
@@ -523,7 +738,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
         let (mut kv, mut sock, mut tls, mut second) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Interleave so all see the same machine state.
         for _ in 0..args.iters {
-            kv.push(kv_once(&tx, &rx, mib, timing).await?);
+            kv.push(timed(&tx, rx.as_ref(), child.as_mut(), Pool::Big, mib, timing).await?);
             sock.push(raw.once(bytes).await?);
             if let Some(r) = &mut raw2 {
                 second.push(r.once(bytes).await?);
@@ -558,7 +773,10 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     let sg = small_geometry(args.small_kib)?;
     let (ssrc, sdst) = (filled(&sg, 1, devices.src)?, pool(&sg, 1, devices.dst)?);
     let stx = Connector::from_spec(&spec, Arc::clone(&ssrc), config.clone(), &fabric).await?;
-    let srx = Connector::from_spec(&spec, Arc::clone(&sdst), config.clone(), &fabric).await?;
+    let srx = match child {
+        Some(_) => None,
+        None => Some(Connector::from_spec(&spec, Arc::clone(&sdst), config.clone(), &fabric).await?),
+    };
     let small_tls = match &tls_spec {
         Some(s) => Some((
             Connector::from_spec(s, Arc::clone(&ssrc), config.clone(), &fabric).await?,
@@ -573,7 +791,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     };
     let timing = Timing { pool_blocks: 1, ..timing };
     for _ in 0..20 {
-        kv_once(&stx, &srx, 1, timing).await?;
+        timed(&stx, srx.as_ref(), child.as_mut(), Pool::Small, 1, timing).await?;
         raw_small.once(small).await?;
         if let Some((ttx, trx)) = &small_tls {
             kv_once(ttx, trx, 1, timing).await?;
@@ -581,7 +799,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     }
     let (mut kv, mut sock, mut tls) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.latency_iters {
-        kv.push(kv_once(&stx, &srx, 1, timing).await?);
+        kv.push(timed(&stx, srx.as_ref(), child.as_mut(), Pool::Small, 1, timing).await?);
         sock.push(raw_small.once(small).await?);
         if let Some((ttx, trx)) = &small_tls {
             tls.push(kv_once(ttx, trx, 1, timing).await?);

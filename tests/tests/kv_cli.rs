@@ -46,6 +46,23 @@ fn bench_kv_prints_ratios_against_a_raw_socket() {
 }
 
 #[test]
+fn bench_kv_times_a_receiver_in_a_second_process() {
+    // The receivers in a child process (this binary again), each transfer timed on the host's
+    // monotonic clock from the sender's send_ready to the child seeing it verified.
+    let out = stdout_of(&["bench", "kv", "--backend", "tcp", "--two-processes", "--sizes", "1,2", "--iters", "2", "--latency-iters", "5"]);
+    assert!(out.contains("(receivers in process "), "{out}");
+    for size in ["1 MiB", "2 MiB"] {
+        let row = out.lines().find(|l| l.trim_start().starts_with(size)).unwrap_or_else(|| panic!("no {size} row: {out}"));
+        let gbs: f64 = row.split_whitespace().nth(2).unwrap().parse().unwrap();
+        assert!(gbs > 0.0 && gbs.is_finite(), "{row}");
+    }
+    assert!(out.contains("latency of 64 KiB transfers (5 runs)"), "{out}");
+    assert!(out.contains("self-check: 6 transfers sent"), "{out}"); // 2 sizes x (1 warm-up + 2)
+    let err = fails(&["bench", "kv", "--backend", "inproc", "--two-processes"]);
+    assert!(err.contains("--two-processes"), "{err}");
+}
+
+#[test]
 fn bad_specs_and_arguments_are_refused() {
     let err = fails(&["kv", "conformance", "carrier-pigeon"]);
     assert!(err.contains("unknown backend"), "{err}");
