@@ -40,6 +40,14 @@ const MAX_GROUP_LAYERS: u32 = 16;
 /// first `1 / FIRST_WRITE_DIV` of the ready layers first, then the rest (see `SendJob::body`).
 const FIRST_WRITE_DIV: u32 = 8;
 
+/// Whether a sender has a link that writes a granted transfer itself write the ready layers
+/// before it builds their messages ([`Link::write_ahead`]; `TANDEM_KV_NO_WRITE_AHEAD=1` writes
+/// them as the messages are sent, in two steps, for comparing).
+fn write_ahead_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NO_WRITE_AHEAD").is_none())
+}
+
 /// Block ranges whose iovecs a receiver keeps per transfer (a sender cuts every layer the same
 /// way, so a few; one that cuts each layer differently only misses the shortcut).
 const MAX_IOV_PATTERNS: usize = 64;
@@ -1312,6 +1320,8 @@ impl SendJob {
             let mut first_sent = false;
             // Chunks announced unsummed whose checksums have not been sent yet.
             let mut unsummed: Vec<(u32, usize, usize)> = Vec::new();
+            // Each layer's chunks: `(first, count)` positions in the transfer's block lists.
+            let chunk_ranges: Vec<(usize, usize)> = (0..n).step_by(per_chunk).map(|first| (first, per_chunk.min(n - first))).collect();
             // Each chunk's iovecs in the first layer sent: every layer sends the same blocks.
             let mut patterns: Vec<Option<(u32, Vec<Iov>)>> = vec![None; n.div_ceil(per_chunk)];
             while layer < num_layers {
@@ -1345,14 +1355,27 @@ impl SendJob {
                 // one layer (the first chunk leaves at once, each is summed on the host while the
                 // previous moves).
                 let two_steps = granted || core.device.is_some();
+                // A link that writes the transfer itself may write every ready layer now, before
+                // the host builds their messages (its copies start after one pass over the
+                // blocks, not after a batch of messages), and the messages then follow at once.
+                let tickets = match granted && write_ahead_enabled() {
+                    true => {
+                        let plan = crate::transport::WritePlan { layers: layer..ready, chunks: &chunk_ranges, src: self.claim.blocks(), dst: &desc.dst_blocks };
+                        let tickets = link.write_ahead(plan)?;
+                        if tickets.as_ref().is_some_and(|t| t.len() != (ready - layer) as usize * chunk_ranges.len()) {
+                            return Err(Error::Invalid("the link wrote ahead another number of chunks than planned".into()));
+                        }
+                        tickets
+                    }
+                    false => None,
+                };
                 let end = match two_steps {
+                    _ if tickets.is_some() => ready,
                     true if layer == 0 => ready.div_ceil(FIRST_WRITE_DIV),
                     true => ready,
                     false => ready.min(layer + group),
                 };
-                let chunks: Vec<(u32, usize, usize)> = (layer..end)
-                    .flat_map(|l| (0..n).step_by(per_chunk).map(move |first| (l, first, per_chunk.min(n - first))))
-                    .collect();
+                let chunks: Vec<(u32, usize, usize)> = (layer..end).flat_map(|l| chunk_ranges.iter().map(move |&(first, count)| (l, first, count))).collect();
                 crate::transport::kv_trace!("tx {:x} {} chunks listed", desc.id, chunks.len());
                 // Device pools checksum the whole group in one call and hand it to the transport at
                 // once; host pools checksum and send chunk by chunk (the receiver works on one
@@ -1364,7 +1387,7 @@ impl SendJob {
                 // `Sums` frame follows), which keeps the checksum off the bytes' path; host pools
                 // (unless `sums_follow`) and the pacing hook sum each chunk before announcing it.
                 let later = (core.device.is_some() || core.config.sums_follow) && delay.is_none();
-                for part in chunks.chunks(step) {
+                for (p, part) in chunks.chunks(step).enumerate() {
                     let sums = if later {
                         None
                     } else {
@@ -1399,7 +1422,8 @@ impl SendJob {
                         let mut payload = Payload::new(iovs, hold);
                         if granted {
                             // The receiver granted this transfer: the link writes its blocks itself.
-                            let dest = crate::transport::Dest { layer: l, blocks: desc.dst_blocks[first..first + count].to_vec() };
+                            let written = tickets.as_ref().map(|t| t[p * step + i]);
+                            let dest = crate::transport::Dest { layer: l, blocks: desc.dst_blocks[first..first + count].to_vec(), written };
                             payload = payload.with_dest(dest);
                         }
                         batch.push((frame.encode(), payload));

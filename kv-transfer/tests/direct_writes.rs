@@ -5,18 +5,24 @@
 //! transfer is fenced and ends only once the sender answered, and a fenced transfer never starts.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_kv_transfer::transport::{BoxFuture, Capabilities, Delivery, Dest, Inbox, Landed, Link, Payload, Transport};
+use tandem_kv_transfer::transport::{BoxFuture, Capabilities, Delivery, Dest, Inbox, Landed, Link, Payload, Transport, WritePlan};
 use tandem_kv_transfer::{Connector, ConnectorConfig, ConnectorSpec, DType, Error, Fabric, Geometry, GeometrySpec, KvMemory, Layout, make_transport};
+
+/// A plan a link took to write ahead: layers, chunks, source and destination blocks.
+type Plan = (std::ops::Range<u32>, Vec<(usize, usize)>, Vec<u32>, Vec<u32>);
 
 /// What the wrapped links saw.
 #[derive(Default)]
 struct Seen {
     dests: Mutex<Vec<Dest>>,
     drains: AtomicUsize,
+    /// Whether the links take plans to write ahead, and the plans they took.
+    ahead: AtomicBool,
+    plans: Mutex<Vec<Plan>>,
 }
 
 /// A link that says its sender writes the receiver's blocks itself (the bytes still go through the
@@ -44,6 +50,15 @@ impl Link for Direct {
     }
     fn writes_directly(&self) -> bool {
         true
+    }
+    fn write_ahead(&self, plan: WritePlan<'_>) -> tandem_kv_transfer::Result<Option<Vec<u64>>> {
+        if !self.seen.ahead.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        let n = plan.layers.len() * plan.chunks.len();
+        self.seen.plans.lock().unwrap().push((plan.layers.clone(), plan.chunks.to_vec(), plan.src.to_vec(), plan.dst.to_vec()));
+        // (The bytes still go through the inner link with the messages.)
+        Ok(Some((0..n as u64).map(|i| 100 + i).collect()))
     }
     fn drain(&self) -> BoxFuture<'_, tandem_kv_transfer::Result<()>> {
         self.seen.drains.fetch_add(1, Ordering::AcqRel);
@@ -154,8 +169,24 @@ async fn grants_destinations_and_fences_between_direct_writing_connectors() {
     tokio::time::timeout(WITHIN, recv.wait()).await.unwrap().unwrap();
     tokio::time::timeout(WITHIN, send.wait()).await.unwrap().unwrap();
     let dests = sender_seen.dests.lock().unwrap().clone();
-    let want: Vec<Dest> = (0..3).map(|layer| Dest { layer, blocks: vec![6, 2] }).collect();
+    let want: Vec<Dest> = (0..3).map(|layer| Dest { layer, blocks: vec![6, 2], written: None }).collect();
     assert_eq!(dests, want);
+
+    // A link that writes ahead gets every ready layer in one plan before the messages are built,
+    // and each payload then names the ticket of its chunk.
+    sender_seen.ahead.store(true, Ordering::Release);
+    let mut recv = rx.expect(vec![5, 4], 1, None).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    sender_seen.dests.lock().unwrap().clear();
+    let mut send = tx.send_ready(recv.descriptor(), vec![2, 0], 1, None).unwrap();
+    tokio::time::timeout(WITHIN, recv.wait()).await.unwrap().unwrap();
+    tokio::time::timeout(WITHIN, send.wait()).await.unwrap().unwrap();
+    let plans = std::mem::take(&mut *sender_seen.plans.lock().unwrap());
+    assert_eq!(plans, vec![(0..3, vec![(0, 2)], vec![2, 0], vec![5, 4])]);
+    let dests = sender_seen.dests.lock().unwrap().clone();
+    let want: Vec<Dest> = (0..3).map(|layer| Dest { layer, blocks: vec![5, 4], written: Some(100 + u64::from(layer)) }).collect();
+    assert_eq!(dests, want);
+    sender_seen.ahead.store(false, Ordering::Release);
 
     // A sender bound to other content than the grant names writes nothing directly: its payloads
     // go as plain payloads, and the receiver refuses them at `Start`.

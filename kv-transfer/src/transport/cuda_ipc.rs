@@ -884,13 +884,20 @@ impl IpcLink {
         }
         super::kv_trace!("ipc send of {} messages: link locked", messages.len());
         let mut events = match &self.dest {
-            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some()) => self.write_granted(dest, &messages)?,
+            Some(dest) if messages.iter().any(|(_, p)| p.dest().is_some_and(|d| d.written.is_none())) => self.write_granted(dest, &messages)?,
             _ => Vec::new(),
         }
         .into_iter();
         let mut out = Vec::new();
         for (header, payload) in messages {
-            let w = if payload.dest().is_some() { events.next() } else { None };
+            // (Payloads written ahead carry their write event as the ticket `write_ahead` gave.)
+            let w = match payload.dest() {
+                Some(d) => match d.written {
+                    Some(ticket) => Some(usize::try_from(ticket).map_err(|_| Error::Invalid("a write ticket".into()))?),
+                    None => events.next(),
+                },
+                None => None,
+            };
             let body = self.encode(&header, payload, w)?;
             if body.len() > MAX_MESSAGE {
                 return Err(Error::Invalid(format!("a cuda-ipc control message of {} bytes", body.len())));
@@ -924,7 +931,7 @@ impl IpcLink {
         let mut last_dest: Option<&[u32]> = None;
         let mut dst_runs: Vec<(u32, u32)> = Vec::new();
         for (_, payload) in messages {
-            let Some(d) = payload.dest() else { continue };
+            let Some(d) = payload.dest().filter(|d| d.written.is_none()) else { continue };
             let base = *dest.layer_bases.get(d.layer as usize).ok_or_else(|| bad("a destination layer out of range"))?;
             if last_dest != Some(&d.blocks[..]) {
                 dst_runs.clear();
@@ -942,6 +949,24 @@ impl IpcLink {
             let (copies, blocks) = pair_runs(memory, payload.iovs(), base, &dst_runs).map_err(bad)?;
             per_chunk.push((copies, blocks * bb));
         }
+        // SAFETY: every source run is whole blocks of one layer of this connector's pool
+        // (`locate`), which the core holds claimed for the transfer until the receiver
+        // acknowledges it; every destination run is blocks of one of the receiver's layer arrays,
+        // each id checked against its extent, and they are the blocks the receiver granted this
+        // transfer (the core hands over only granted payloads, with the receiver's blocks).
+        unsafe { self.write_chunks(&transport, dest, per_chunk) }
+    }
+
+    /// Writes the copies of each chunk of `per_chunk` (`(copies, bytes)`) on the device's write
+    /// stream, in the groups [`write_groups`] cuts, a write event behind each; returns each
+    /// chunk's event.
+    ///
+    /// # Safety
+    ///
+    /// As [`DeviceKv::write`](crate::device::DeviceKv::write): the sources are blocks of this
+    /// connector's pool that the transfer holds, the destinations blocks of `dest` (each id
+    /// checked against its extent) that the receiver granted to the transfer.
+    unsafe fn write_chunks(&self, transport: &CudaIpcTransport, dest: &PeerPool, per_chunk: Vec<(Vec<CopyRun>, usize)>) -> Result<Vec<usize>> {
         // On one GPU the verification reads as fast as the copy writes: groups buy nothing there
         // but the receiver's launches.
         let min = if dest.same_gpu { usize::MAX } else { WRITE_GROUP_MIN };
@@ -962,11 +987,7 @@ impl IpcLink {
                 runs
             })
             .collect();
-        // SAFETY: every source run is whole blocks of one layer of this connector's pool
-        // (`locate`), which the core holds claimed for the transfer until the receiver
-        // acknowledges it; every destination run is blocks of one of the receiver's layer arrays,
-        // each id checked against its extent, and they are the blocks the receiver granted this
-        // transfer (the core hands over only granted payloads, with the receiver's blocks).
+        // SAFETY: the caller's contract.
         let events = unsafe { transport.device.write(&groups)? };
         let mut begin = 0;
         let mut per_payload = Vec::with_capacity(ends.last().copied().unwrap_or(0));
@@ -1008,6 +1029,71 @@ impl Link for IpcLink {
 
     fn writes_directly(&self) -> bool {
         self.dest.is_some() || self.writes
+    }
+
+    fn write_ahead(&self, plan: super::WritePlan<'_>) -> Result<Option<Vec<u64>>> {
+        let Some(dest) = &self.dest else { return Ok(None) };
+        if plan.layers.is_empty() || plan.chunks.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        // The writer lock, as `send_messages` holds it across its writes: a link seen closed
+        // writes nothing. Held by a send in progress, the payloads go with their messages.
+        let Ok(guard) = self.writer.try_lock() else { return Ok(None) };
+        if guard.is_none() {
+            return Err(self.state.err("link closed"));
+        }
+        let Some(transport) = self.transport.upgrade() else { return Err(Error::Shutdown) };
+        let memory = &transport.memory;
+        let bb = memory.geometry().block_bytes();
+        let bad = |why: &str| Error::Invalid(format!("cuda-ipc write: {why}"));
+        super::kv_trace!("write ahead of layers {:?}: link locked", plan.layers);
+        // Per chunk of a layer: the receiver's runs (the same in every layer) and the sender's
+        // iovecs in the first layer (moved to each other layer's array).
+        let mut shapes = Vec::with_capacity(plan.chunks.len());
+        for &(first, count) in plan.chunks {
+            let (src, dst) = match (plan.src.get(first..first + count), plan.dst.get(first..first + count)) {
+                (Some(s), Some(d)) if count > 0 => (s, d),
+                _ => return Err(bad("a chunk outside the transfer's blocks")),
+            };
+            let mut dst_runs: Vec<(u32, u32)> = Vec::new();
+            for &b in dst {
+                if b >= dest.num_blocks {
+                    return Err(bad("a destination block outside the receiver's pool"));
+                }
+                match dst_runs.last_mut() {
+                    Some((f, n)) if *f + *n == b => *n += 1,
+                    _ => dst_runs.push((b, 1)),
+                }
+            }
+            if src.iter().any(|&b| b >= memory.num_blocks()) || plan.layers.end > memory.geometry().num_layers() {
+                return Err(bad("a source block outside this pool"));
+            }
+            shapes.push((dst_runs, memory.iovs(plan.layers.start, src)));
+        }
+        let mut per_chunk = Vec::with_capacity(plan.layers.len() * shapes.len());
+        let mut events = Vec::with_capacity(plan.layers.len() * shapes.len());
+        for l in plan.layers.clone() {
+            let base = *dest.layer_bases.get(l as usize).ok_or_else(|| bad("a destination layer out of range"))?;
+            for (dst_runs, iovs) in &shapes {
+                let iovs = memory.iovs_moved(iovs, plan.layers.start, l);
+                let (copies, blocks) = pair_runs(memory, &iovs, base, dst_runs).map_err(bad)?;
+                per_chunk.push((copies, blocks * bb));
+                if events.is_empty() && per_chunk.len() == 1 && plan.layers.len() * shapes.len() > 2 && !dest.same_gpu {
+                    // The first chunk goes at once, a write group of its own: the copy engines
+                    // start on it while the host works out the others' runs.
+                    // SAFETY: as below.
+                    events = unsafe { self.write_chunks(&transport, dest, std::mem::take(&mut per_chunk))? };
+                }
+            }
+        }
+        // SAFETY: every source run is whole blocks of layers of this connector's pool, ids checked
+        // above, which the caller holds claimed for the transfer (`Link::write_ahead`); every
+        // destination run is blocks of one of the receiver's layer arrays, each id checked against
+        // its extent, that the receiver granted to the transfer (the caller checked the grant).
+        events.extend(unsafe { self.write_chunks(&transport, dest, per_chunk)? });
+        drop(guard);
+        // A ticket is the chunk's write event.
+        Ok(Some(events.into_iter().map(|e| e as u64).collect()))
     }
 
     fn drain(&self) -> BoxFuture<'_, Result<()>> {

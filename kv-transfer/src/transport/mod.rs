@@ -130,6 +130,23 @@ pub struct Dest {
     pub layer: u32,
     /// Block ids there, in the payload's order.
     pub blocks: Vec<u32>,
+    /// Already written by [`Link::write_ahead`]: the ticket it gave for this payload.
+    pub written: Option<u64>,
+}
+
+/// A granted transfer's layers that a link writing directly may write before their messages are
+/// built ([`Link::write_ahead`]): layers `layers` of `src` (the sender's blocks) into the same
+/// layers of `dst` (the receiver's), each layer cut in chunks `(first, count)` of both lists.
+#[derive(Debug, Clone)]
+pub struct WritePlan<'a> {
+    /// The layers, in order.
+    pub layers: std::ops::Range<u32>,
+    /// Each layer's chunks: `(first, count)` positions in `src` and `dst`, in order.
+    pub chunks: &'a [(usize, usize)],
+    /// The sender's block ids (claimed by the transfer until the receiver acknowledged it).
+    pub src: &'a [u32],
+    /// The receiver's block ids it granted to the transfer.
+    pub dst: &'a [u32],
 }
 
 impl Payload {
@@ -198,6 +215,15 @@ pub trait Link: Send + Sync {
     /// are released; see docs/rfc-kv-sender-writes.md. Default: no.
     fn writes_directly(&self) -> bool {
         false
+    }
+    /// Sender side of a link that writes directly: writes `plan` now, ahead of its messages, and
+    /// returns a ticket per chunk (layer by layer, chunks in order) for the [`Dest::written`] of
+    /// its payload; `None` when it cannot now (the payloads are then written as their messages
+    /// are sent). Only for blocks the receiver granted to the transfer, which the caller holds
+    /// claimed. Default: `None`.
+    fn write_ahead(&self, plan: WritePlan<'_>) -> Result<Option<Vec<u64>>> {
+        let _ = plan;
+        Ok(None)
     }
     /// Sender side of a link that writes directly: resolves once every write made so far landed.
     fn drain(&self) -> BoxFuture<'_, Result<()>> {
