@@ -420,9 +420,10 @@ fn monotonic_ns() -> u64 {
 /// the receiving connectors and their pools; driven by lines over its stdin and stdout.
 struct ReceiverProcess {
     child: std::process::Child,
-    stdin: std::process::ChildStdin,
+    /// Taken when the bench ends: the child's stdin closing ends it.
+    stdin: Option<std::process::ChildStdin>,
     stdout: std::io::BufReader<std::process::ChildStdout>,
-    /// The big pool's geometry, as the child's receivers name it in their descriptors.
+    /// The pools' geometries, as the child's receivers name them in their descriptors.
     big: Geometry,
     small: Geometry,
 }
@@ -441,7 +442,7 @@ impl ReceiverProcess {
         }
         let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("starting the receivers' process")?;
         let (stdin, stdout) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
-        let mut p = ReceiverProcess { child, stdin, stdout: std::io::BufReader::new(stdout), big: big_geometry(), small: small_geometry(args.small_kib)? };
+        let mut p = ReceiverProcess { child, stdin: Some(stdin), stdout: std::io::BufReader::new(stdout), big: big_geometry(), small: small_geometry(args.small_kib)? };
         match p.line()?.as_str() {
             "ready" => Ok(p),
             other => bail!("the receivers' process: {other}"),
@@ -473,8 +474,9 @@ impl ReceiverProcess {
             Pool::Small => ("small", self.small.clone(), 1),
         };
         let first = pool_blocks.checked_sub(blocks).context("a transfer larger than the pool")?;
-        writeln!(self.stdin, "expect {name} {first} {blocks}")?;
-        self.stdin.flush()?;
+        let stdin = self.stdin.as_mut().context("the receivers' process was let go")?;
+        writeln!(stdin, "expect {name} {first} {blocks}")?;
+        stdin.flush()?;
         let line = self.line()?;
         let mut f = line.splitn(4, ' ');
         let (Some("desc"), Some(id), Some(binding), Some(endpoint)) = (f.next(), f.next(), f.next(), f.next()) else {
@@ -497,10 +499,9 @@ impl ReceiverProcess {
             }
         }
         let t0 = monotonic_ns();
-        let send = tx.send_ready(&desc, (0..blocks).collect(), 0, None)?;
+        let mut send = tx.send_ready(&desc, (0..blocks).collect(), 0, None)?;
         let line = self.line()?;
         let t1: u64 = line.strip_prefix("done ").with_context(|| format!("the receivers' process answered {line:?}"))?.parse()?;
-        let mut send = send;
         send.wait().await?;
         Ok(Duration::from_nanos(t1.saturating_sub(t0)))
     }
@@ -508,7 +509,15 @@ impl ReceiverProcess {
 
 impl Drop for ReceiverProcess {
     fn drop(&mut self) {
-        // Its stdin closing ends it; a child stuck in a transfer is killed.
+        // Its stdin closing ends it (it prints its trace, if any, and shuts its connectors down);
+        // one still running after 5 s (stuck in a transfer) is killed.
+        drop(self.stdin.take());
+        for _ in 0..100 {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
