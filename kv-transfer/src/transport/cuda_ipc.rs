@@ -934,16 +934,7 @@ impl IpcLink {
             let Some(d) = payload.dest().filter(|d| d.written.is_none()) else { continue };
             let base = *dest.layer_bases.get(d.layer as usize).ok_or_else(|| bad("a destination layer out of range"))?;
             if last_dest != Some(&d.blocks[..]) {
-                dst_runs.clear();
-                for &b in &d.blocks {
-                    if b >= dest.num_blocks {
-                        return Err(bad("a destination block outside the receiver's pool"));
-                    }
-                    match dst_runs.last_mut() {
-                        Some((first, n)) if *first + *n == b => *n += 1,
-                        _ => dst_runs.push((b, 1)),
-                    }
-                }
+                dst_runs = block_runs(&d.blocks, dest.num_blocks).map_err(bad)?;
                 last_dest = Some(&d.blocks);
             }
             let (copies, blocks) = pair_runs(memory, payload.iovs(), base, &dst_runs).map_err(bad)?;
@@ -1049,26 +1040,19 @@ impl Link for IpcLink {
         super::kv_trace!("write ahead of layers {:?}: link locked", plan.layers);
         // Per chunk of a layer: the receiver's runs (the same in every layer) and the sender's
         // iovecs in the first layer (moved to each other layer's array).
+        if plan.layers.end > memory.geometry().num_layers() {
+            return Err(bad("a source layer outside this pool"));
+        }
         let mut shapes = Vec::with_capacity(plan.chunks.len());
         for &(first, count) in plan.chunks {
             let (src, dst) = match (plan.src.get(first..first + count), plan.dst.get(first..first + count)) {
                 (Some(s), Some(d)) if count > 0 => (s, d),
                 _ => return Err(bad("a chunk outside the transfer's blocks")),
             };
-            let mut dst_runs: Vec<(u32, u32)> = Vec::new();
-            for &b in dst {
-                if b >= dest.num_blocks {
-                    return Err(bad("a destination block outside the receiver's pool"));
-                }
-                match dst_runs.last_mut() {
-                    Some((f, n)) if *f + *n == b => *n += 1,
-                    _ => dst_runs.push((b, 1)),
-                }
-            }
-            if src.iter().any(|&b| b >= memory.num_blocks()) || plan.layers.end > memory.geometry().num_layers() {
+            if src.iter().any(|&b| b >= memory.num_blocks()) {
                 return Err(bad("a source block outside this pool"));
             }
-            shapes.push((dst_runs, memory.iovs(plan.layers.start, src)));
+            shapes.push((block_runs(dst, dest.num_blocks).map_err(bad)?, memory.iovs(plan.layers.start, src)));
         }
         let mut per_chunk = Vec::with_capacity(plan.layers.len() * shapes.len());
         let mut events = Vec::with_capacity(plan.layers.len() * shapes.len());
@@ -1357,6 +1341,22 @@ fn pair_runs(memory: &KvMemory, iovs: &[crate::memory::Iov], base: u64, dst_runs
 
 /// Appends the copy `(destination, source, bytes)` to `runs`, merged into the last one where both
 /// sides continue it.
+/// The runs `(first block, blocks)` of consecutive ids in `ids` (a receiver's destination blocks),
+/// each id checked against the receiver's `num_blocks`.
+fn block_runs(ids: &[u32], num_blocks: u32) -> std::result::Result<Vec<(u32, u32)>, &'static str> {
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for &b in ids {
+        if b >= num_blocks {
+            return Err("a destination block outside the receiver's pool");
+        }
+        match runs.last_mut() {
+            Some((first, n)) if *first + *n == b => *n += 1,
+            _ => runs.push((b, 1)),
+        }
+    }
+    Ok(runs)
+}
+
 fn push_run(runs: &mut Vec<CopyRun>, dst: u64, src: u64, bytes: usize) {
     match runs.last_mut() {
         Some((d, s, n)) if *d + *n as u64 == dst && *s + *n as u64 == src => *n += bytes,
@@ -1519,13 +1519,13 @@ mod tests {
             let (src, dst) = (pick(&mut state), pick(&mut state));
             let layer = (xorshift(&mut state) % 3) as u32;
             let iovs = memory.iovs(layer, &src);
-            let mut dst_runs: Vec<(u32, u32)> = Vec::new();
-            for &b in &dst {
-                match dst_runs.last_mut() {
-                    Some((f, c)) if *f + *c == b => *c += 1,
-                    _ => dst_runs.push((b, 1)),
-                }
-            }
+            let dst_runs = block_runs(&dst, 64).unwrap();
+            assert_eq!(dst_runs.iter().map(|r| r.1 as usize).sum::<usize>(), n);
+            // An id past the receiver's pool is refused, wherever it is.
+            let mut past = dst.clone();
+            let at = (xorshift(&mut state) as usize) % n;
+            past[at] = 64;
+            assert!(block_runs(&past, 64).is_err());
             let (copies, blocks) = pair_runs(&memory, &iovs, base, &dst_runs).unwrap();
             assert_eq!(blocks, n);
             // Expanded block by block, the copies are exactly the pairs, in order.
