@@ -387,7 +387,10 @@ stage_gpus_cluster() {
     for backend in nccl cuda-ipc; do
         start_etcd 23792 23802 "etcd-$backend.log"
         echo "---- $backend: prefill node on cuda:0, decode node on cuda:1"
-        gpus_cluster_body "$backend" || rc=1
+        gpus_cluster_body "$backend" || { rc=1; echo "$backend: the decode node's log ends:"; tail -25 "$OUT/decode.log"; }
+        # each backend's node logs kept (the next backend's overwrite these)
+        cp "$OUT/decode.log" "$OUT/decode-$backend.log" 2>/dev/null
+        cp "$OUT/prefill.log" "$OUT/prefill-after-$backend.log" 2>/dev/null
         for p in client router prefill decode etcd; do stop_bg "$p"; done
         sleep 1
     done
@@ -473,7 +476,6 @@ gpus_cluster_body() {
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/  /'
     echo "$backend: prefill node killed mid-transfer: output == generate, every block free on both GPUs"
     after_kill "$gen_after" "${node[@]}" --device cuda:0 || return 1
-    cp "$OUT/decode.log" "$OUT/decode-$backend.log"
 }
 
 stage_gpus_disagg() {
