@@ -50,7 +50,9 @@
 #                 == generate; etcd + router + prefill node on cuda:0 + decode node on cuda:1 as
 #                 processes: client output == generate; a prefill node
 #                 killed mid-transfer (transfers paced by TANDEM_KV_TEST_CHUNK_DELAY_MS) leaves a
-#                 correct answer, every decode block free, and no memory of it on cuda:0
+#                 correct answer, every decode block free, and no memory of it on cuda:0, and a
+#                 new prefill node then transfers into the same decode node; $GPUS_CLUSTER_BACKENDS
+#                 picks the backends, $GPUS_CLUSTER_KILLS repeats the kill and the new node
 #   gpus_disagg   tandem bench disagg --devices cuda:0,cuda:1 (TTFT of a 2,048-token prompt of the
 #                 8B geometry through the cluster against prefill alone) $DISAGG_ARGS
 #   gpus_serve    scripts/serve-compare.sh with tandem up --devices cuda:0,cuda:1: two colocated
@@ -277,19 +279,19 @@ cluster2_body() {
     got=$(cmd .device/tandem client --router "$router" --max-tokens 8 "still serving?" 2>/dev/null) || return 1
     echo "the decode node still serves: $got"
     gen=$(cmd .device/tandem generate --model "$model" --device cuda --max-tokens 16 "$(after_kill_prompt)") || return 1
-    after_kill "$gen" "${node[@]}" --gpu-memory-utilization 0.6
+    after_kill "$gen" "" "${node[@]}" --gpu-memory-utilization 0.6
 }
 
 # A prefill node started after one was killed mid-transfer: its transfers into the same decode node
 # work again (nothing the killed sender left — its mapping, its write events — holds up the decode
-# node's verification). $1: what `tandem generate` answers to `after_kill_prompt` (16 tokens);
+# node's verification). $1: what `tandem generate` answers to `after_kill_prompt $2` (16 tokens);
 # prefill node flags in the rest; the cluster's router in $router.
-after_kill_prompt() { for i in $(seq 1 60); do printf 'note %d on the bridges of a river town. ' "$i"; done; }
+after_kill_prompt() { for i in $(seq 1 60); do printf 'note %d on the bridges of a river town%s. ' "$i" "${1:-}"; done; }
 after_kill() {
-    local gen=$1 got; shift
+    local gen=$1 tag=$2 got; shift 2
     start_bg prefill prefill "$@" >/dev/null || return 1
     sleep 3
-    got=$(cmd .device/tandem client --router "$router" --max-tokens 16 "$(after_kill_prompt)" 2>/dev/null) || return 1
+    got=$(cmd .device/tandem client --router "$router" --max-tokens 16 "$(after_kill_prompt "$tag")" 2>/dev/null) || return 1
     [[ "$gen" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen" "$got"; echo "after the kill: wrong output"; return 1; }
     grep "first KV transfer" "$OUT/prefill.log" | tail -1
     grep -q "first KV transfer" "$OUT/prefill.log" || { echo "the prefill node started after the kill transferred nothing"; return 1; }
@@ -384,7 +386,7 @@ stage_gpus_cluster() {
     [[ -f "$model/config.json" ]] || { echo "no $model: run the reference stage first"; return 1; }
     [[ -x .device/etcd ]] || { echo "no .device/etcd (copy Debian's /usr/bin/etcd there)"; return 1; }
     local rc=0 backend
-    for backend in nccl cuda-ipc; do
+    for backend in ${GPUS_CLUSTER_BACKENDS:-nccl cuda-ipc}; do
         start_etcd 23792 23802 "etcd-$backend.log"
         echo "---- $backend: prefill node on cuda:0, decode node on cuda:1"
         gpus_cluster_body "$backend" || { rc=1; echo "$backend: the decode node's log ends:"; tail -25 "$OUT/decode.log"; }
@@ -398,16 +400,19 @@ stage_gpus_cluster() {
 }
 
 gpus_cluster_body() {
-    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long fresh gen gen_long gen_fresh gen_after got used i
+    local backend=$1 model="$CUDA_REF_DIR/small" etcd=http://127.0.0.1:23792 router prompt long gen gen_long got i
+    local kills=${GPUS_CLUSTER_KILLS:-1} gen_fresh=() gen_after=()
     local node=(--etcd "$etcd" --ttl 2 --model "$model" --kv-connector "$backend")
     prompt="the quick brown fox jumps over the lazy dog and then runs far away into the forest"
     long=$(for i in $(seq 1 120); do printf 'sentence %d of a long document about ships. ' "$i"; done)
     gen=$(cmd .device/tandem generate --model "$model" --device cuda:0 --max-tokens 24 "$prompt") || return 1
     gen_long=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$long") || return 1
-    # the kill's prompt: one the decode node has not cached, so its whole KV is in flight
-    fresh=$(for i in $(seq 1 100); do printf 'paragraph %d of a report on rivers and %s. ' "$i" "$backend"; done)
-    gen_fresh=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$fresh" 2>/dev/null) || return 1
-    gen_after=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$(after_kill_prompt)" 2>/dev/null) || return 1
+    # each kill's prompt and the next one's: ones the decode node has not cached, so their whole KV
+    # is in flight
+    for ((i = 1; i <= kills; i++)); do
+        gen_fresh[i]=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$(kill_prompt "$backend" "$i")" 2>/dev/null) || return 1
+        gen_after[i]=$(cmd .device/tandem generate --model "$model" --device cuda:1 --max-tokens 16 "$(after_kill_prompt " $i")" 2>/dev/null) || return 1
+    done
     # the same split in one process: tandem up --devices
     got=$(cmd .device/tandem up --model "$model" --device cuda --devices cuda:0,cuda:1 --kv-connector "$backend" \
         --max-tokens 24 --listen 127.0.0.1:0 --prompt "$prompt") || return 1
@@ -437,14 +442,33 @@ gpus_cluster_body() {
         grep -q "cuda-ipc: the sender writes granted" "$OUT/decode.log" || { echo "cuda-ipc: the prefill node does not write the decode node's blocks"; return 1; }
     fi
 
+    # Killed mid-transfer, then a new prefill node into the same decode node: once, or
+    # GPUS_CLUSTER_KILLS times (to catch an intermittent fault in the decode node).
+    cp "$OUT/prefill.log" "$OUT/prefill-$backend.log"
+    for ((i = 1; i <= kills; i++)); do
+        echo "---- $backend: kill $i of $kills"
+        kill_mid_transfer "$backend" "$i" "${gen_fresh[i]}" "${node[@]}" || return 1
+        after_kill "${gen_after[i]}" " $i" "${node[@]}" --device cuda:0 || return 1
+    done
+}
+
+# The prompt of kill $2 with backend $1.
+kill_prompt() { for i in $(seq 1 100); do printf 'paragraph %d of report %d on rivers and %s. ' "$i" "$2" "$1"; done; }
+
+# A prefill node killed mid-transfer into the decode node of gpus_cluster_body ($router, decode
+# metrics on 127.0.0.1:9402). $1: the backend, $2: the kill's number, $3: what `tandem generate`
+# answers to its `kill_prompt`; node flags in the rest.
+kill_mid_transfer() {
+    local backend=$1 gen_fresh=$3 fresh failed used i ppid got
+    fresh=$(kill_prompt "$backend" "$2")
+    shift 3
     # Killed mid-transfer: the restarted prefill node paces its chunks (300 ms before each; 4 layers,
     # so the transfer takes over 1.2 s) and is killed 0.7 s after the request went out, while chunks
     # are in flight; the decode node must answer (local prefill) and free every block.
-    cp "$OUT/prefill.log" "$OUT/prefill-$backend.log"
     stop_bg prefill
     sleep 3
-    local ppid
-    TANDEM_KV_TEST_CHUNK_DELAY_MS=300 start_bg prefill prefill "${node[@]}" --device cuda:0 >/dev/null || return 1
+    failed=$(grep -c "remote prefill failed" "$OUT/decode.log")
+    TANDEM_KV_TEST_CHUNK_DELAY_MS=300 start_bg prefill prefill "$@" --device cuda:0 >/dev/null || return 1
     ppid=$(cat "$DIR/prefill.pid")
     sleep 3
     .device/tandem client --router "$router" --max-tokens 16 "$fresh" >"$DIR/killed.out" 2>"$OUT/client.log" &
@@ -461,7 +485,7 @@ gpus_cluster_body() {
     [[ "$gen_fresh" == "$got" ]] || { printf 'generate: %q\nclient:   %q\n' "$gen_fresh" "$got"; echo "$backend: prefill killed: wrong output"; return 1; }
     cat "$OUT/client.log"
     grep "remote prefill failed" "$OUT/decode.log" | tail -1
-    grep -q "remote prefill failed" "$OUT/decode.log" || { echo "$backend: the decode node saw no failed transfer (was the kill mid-transfer?)"; return 1; }
+    (( $(grep -c "remote prefill failed" "$OUT/decode.log") > failed )) || { echo "$backend: the decode node saw no failed transfer (was the kill mid-transfer?)"; return 1; }
     for ((i = 0; i < 50; i++)); do
         used=$(metric 127.0.0.1:9402 tandem:kv_cache_blocks 'state="used"') || used=?
         [[ "$used" == 0.0 ]] && break
@@ -475,8 +499,8 @@ gpus_cluster_body() {
     echo "cuda:0 holds nothing of the killed prefill process:"
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/  /'
     echo "$backend: prefill node killed mid-transfer: output == generate, every block free on both GPUs"
-    after_kill "$gen_after" "${node[@]}" --device cuda:0 || return 1
 }
+
 
 stage_gpus_disagg() {
     local extra=()

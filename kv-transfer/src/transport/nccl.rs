@@ -596,6 +596,14 @@ struct LinkGpu {
     comms: Mutex<Vec<Comm>>,
 }
 
+impl Drop for LinkGpu {
+    /// The communicators go first, before the streams and buffers their operations name (a link
+    /// that retired them already left none).
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
 impl LinkGpu {
     /// Creates rank `rank` of the link's communicator (bounded by [`INIT`] and the link closing),
     /// then its streams, events and staging buffers. Blocking.
@@ -660,12 +668,22 @@ impl LinkGpu {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         ctx.bind_to_thread()
             .map_err(|e| format!("binding the context: {e}"))?;
+        // A communicator (or lane) whose making fails is given up unaborted, and so are those made
+        // before it: see `Comm::leak`.
         let comm = Comm::start(api, id, rank, 2, true)?;
-        comm.ready()?;
+        if let Err(e) = comm.ready() {
+            comm.leak();
+            return Err(e);
+        }
         let mut comms = vec![comm];
         for _ in 1..lanes {
-            let lane = comms[0].split(rank).map_err(|e| format!("splitting the communicator into {lanes} lanes: {e}"))?;
-            comms.push(lane);
+            match comms[0].split(rank) {
+                Ok(lane) => comms.push(lane),
+                Err(e) => {
+                    comms.into_iter().for_each(Comm::leak);
+                    return Err(format!("splitting the communicator into {lanes} lanes: {e}"));
+                }
+            }
         }
         let stream = || ctx.new_stream().map_err(|e| format!("creating a stream: {e}"));
         let event = || ctx.new_event(Some(CU_EVENT_DISABLE_TIMING)).map_err(|e| format!("creating an event: {e}"));
@@ -686,9 +704,9 @@ impl LinkGpu {
         // the first transfer.
         let dir = if rank == RANK_SENDER { Dir::Send } else { Dir::Recv };
         {
-            let comms = lock(&gpu.comms);
+            let mut comms = lock(&gpu.comms);
             let peer = if dir == Dir::Send { RANK_RECEIVER } else { RANK_SENDER };
-            api.group(|| {
+            let connected = api.group(|| {
                 comms.iter().enumerate().try_for_each(|(l, comm)| {
                     // SAFETY: one byte of a staging buffer of this GPU, which nothing else uses yet
                     // (the lanes only write the same byte: the receiver never reads it); `gpu` (and
@@ -696,7 +714,12 @@ impl LinkGpu {
                     // abort that ends the operations.
                     unsafe { comm.p2p(dir, gpu.staging[0].ptr(), 1, peer, gpu.lane_stream(l).cu_stream() as *mut std::ffi::c_void) }
                 })
-            })?;
+            });
+            if let Err(e) = connected {
+                // The lanes failed to connect (the group launched nothing): see `Comm::leak`.
+                std::mem::take(&mut *comms).into_iter().for_each(Comm::leak);
+                return Err(e);
+            }
         }
         loop {
             gpu.issued()?;

@@ -12,7 +12,8 @@
 //! - `NCCL_NVLS_ENABLE=0` is in the process environment (unless the operator set the variable)
 //!   before the first NCCL call: every path into NCCL goes through [`api`], which sets it first.
 //! - A [`Comm`] is used by one thread at a time (its owner keeps it behind a mutex) and aborted
-//!   exactly once, by [`Comm::abort`] or when dropped.
+//!   exactly once, by [`Comm::abort`] or when dropped — or never, when its making failed
+//!   ([`Comm::leak`]: NCCL 2.28 can crash aborting one).
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::{Arc, OnceLock};
@@ -273,8 +274,11 @@ pub(crate) fn off_runtime(job: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// Communicators given up unaborted so far ([`Comm::leak`]).
+static LEAKED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// One rank of a communicator. Aborted (never destroyed, which could wait forever for a vanished
-/// peer) when dropped.
+/// peer) when dropped, unless its making failed ([`Comm::leak`]).
 pub(crate) struct Comm {
     raw: RawComm,
     api: &'static Api,
@@ -314,7 +318,25 @@ impl Comm {
         let comm = Comm { raw, api };
         match code {
             NCCL_SUCCESS | NCCL_IN_PROGRESS if !raw.is_null() => Ok(comm),
-            code => Err(api.describe(code, raw)), // dropping `comm` aborts a half-made communicator
+            code => {
+                let e = api.describe(code, raw);
+                comm.leak();
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives up the communicator without aborting it: for one whose making failed (its peer gone
+    /// mid-handshake, say), which NCCL 2.28 cannot always abort — seen on two H200s: a decode
+    /// node whose prefill peer was killed while their communicator was being split and connected
+    /// died of SIGSEGV (and once SIGABRT) inside `ncclCommAbort` (`commFree` freeing the channel
+    /// peers, `cuMemAddressFree`, glibc's `free`). No kernel of it runs (a failed call launched
+    /// none), so what stays is its host threads, idle with the peer gone, and its few buffers.
+    pub(crate) fn leak(self) {
+        let raw = std::mem::ManuallyDrop::new(self).raw;
+        if !raw.is_null() {
+            let n = LEAKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            tracing::warn!(leaked = n, "nccl: a communicator whose making failed is left unaborted (NCCL cannot always abort one)");
         }
     }
 
@@ -335,7 +357,10 @@ impl Comm {
         match code {
             NCCL_SUCCESS if !raw.is_null() => Ok(comm),
             NCCL_SUCCESS => Err("ncclCommSplit made no communicator".into()),
-            code => Err(self.api.describe(code, self.raw)),
+            code => {
+                comm.leak();
+                Err(self.api.describe(code, self.raw))
+            }
         }
     }
 
