@@ -596,14 +596,6 @@ struct LinkGpu {
     comms: Mutex<Vec<Comm>>,
 }
 
-impl Drop for LinkGpu {
-    /// The communicators go first, before the streams and buffers their operations name (a link
-    /// that retired them already left none).
-    fn drop(&mut self) {
-        self.abort();
-    }
-}
-
 impl LinkGpu {
     /// Creates rank `rank` of the link's communicator (bounded by [`INIT`] and the link closing),
     /// then its streams, events and staging buffers. Blocking.
