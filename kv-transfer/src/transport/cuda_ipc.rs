@@ -54,7 +54,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::core::lock;
-use crate::device::{Blocks, CopyRun, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom};
+use crate::device::{Blocks, CopyRun, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom, StridedCopy, strided_copies, strided_enabled};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
@@ -965,17 +965,14 @@ impl IpcLink {
         super::kv_trace!("write: {} chunks located, {} groups", per_chunk.len(), ends.len());
         let mut chunks = per_chunk.into_iter();
         let mut begin = 0;
-        let groups: Vec<Vec<CopyRun>> = ends
+        // A group's chunks are layers of the same blocks: each run across them one strided copy.
+        let strided = strided_enabled();
+        let groups: Vec<Vec<StridedCopy>> = ends
             .iter()
             .map(|&end| {
-                let mut runs = Vec::new();
-                for (copies, _) in chunks.by_ref().take(end - begin) {
-                    for (d, s, bytes) in copies {
-                        push_run(&mut runs, d, s, bytes);
-                    }
-                }
+                let group: Vec<Vec<CopyRun>> = chunks.by_ref().take(end - begin).map(|(copies, _)| copies).collect();
                 begin = end;
-                runs
+                if strided { strided_copies(&group) } else { strided_copies(&[group.concat()]) }
             })
             .collect();
         // SAFETY: the caller's contract.
@@ -1054,14 +1051,26 @@ impl Link for IpcLink {
             }
             shapes.push((block_runs(dst, dest.num_blocks).map_err(bad)?, memory.iovs(plan.layers.start, src)));
         }
+        // Each chunk's copies in the first layer, made once: another layer's are the same runs moved
+        // by the two pools' layer offsets (the same blocks, layer arrays of the same size), which
+        // costs next to nothing where pairing the runs again per layer cost ~3 µs each — while
+        // the copy engines sat idle after the first chunk.
+        let first = plan.layers.start;
+        let base_of = |l: u32| dest.layer_bases.get(l as usize).copied().ok_or_else(|| bad("a destination layer out of range"));
+        let first_base = base_of(first)?;
+        let firsts = shapes
+            .iter()
+            .map(|(dst_runs, iovs)| pair_runs(memory, iovs, first_base, dst_runs).map(|(copies, blocks)| (copies, blocks * bb)))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(bad)?;
         let mut per_chunk = Vec::with_capacity(plan.layers.len() * shapes.len());
         let mut events = Vec::with_capacity(plan.layers.len() * shapes.len());
         for l in plan.layers.clone() {
-            let base = *dest.layer_bases.get(l as usize).ok_or_else(|| bad("a destination layer out of range"))?;
-            for (dst_runs, iovs) in &shapes {
-                let iovs = memory.iovs_moved(iovs, plan.layers.start, l);
-                let (copies, blocks) = pair_runs(memory, &iovs, base, dst_runs).map_err(bad)?;
-                per_chunk.push((copies, blocks * bb));
+            let dst_shift = base_of(l)?.wrapping_sub(first_base);
+            let src_shift = (memory.layer_base(l) as u64).wrapping_sub(memory.layer_base(first) as u64);
+            for (copies, bytes) in &firsts {
+                let copies = copies.iter().map(|&(d, s, n)| (d.wrapping_add(dst_shift), s.wrapping_add(src_shift), n)).collect();
+                per_chunk.push((copies, *bytes));
                 if events.is_empty() && per_chunk.len() == 1 && plan.layers.len() * shapes.len() > 2 && !dest.same_gpu {
                     // The first chunk goes at once, a write group of its own: the copy engines
                     // start on it while the host works out the others' runs.
@@ -1070,10 +1079,12 @@ impl Link for IpcLink {
                 }
             }
         }
-        // SAFETY: every source run is whole blocks of layers of this connector's pool, ids checked
-        // above, which the caller holds claimed for the transfer (`Link::write_ahead`); every
-        // destination run is blocks of one of the receiver's layer arrays, each id checked against
-        // its extent, that the receiver granted to the transfer (the caller checked the grant).
+        // SAFETY: every source run is whole blocks of layers of this connector's pool (located in
+        // the first layer, moved to layers below `num_layers`; ids checked above), which the caller
+        // holds claimed for the transfer (`Link::write_ahead`); every destination run is blocks of
+        // one of the receiver's layer arrays (the first one's runs moved to another's base), each
+        // id checked against its extent, that the receiver granted to the transfer (the caller
+        // checked the grant).
         events.extend(unsafe { self.write_chunks(&transport, dest, per_chunk)? });
         drop(guard);
         // A ticket is the chunk's write event.
