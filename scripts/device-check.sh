@@ -51,8 +51,9 @@
 #                 processes: client output == generate; a prefill node
 #                 killed mid-transfer (transfers paced by TANDEM_KV_TEST_CHUNK_DELAY_MS) leaves a
 #                 correct answer, every decode block free, and no memory of it on cuda:0, and a
-#                 new prefill node then transfers into the same decode node; $GPUS_CLUSTER_BACKENDS
-#                 picks the backends, $GPUS_CLUSTER_KILLS repeats the kill and the new node
+#                 new prefill node then transfers into the same decode node (the decode node's GPU
+#                 memory reported after each); $GPUS_CLUSTER_BACKENDS picks the backends,
+#                 $GPUS_CLUSTER_KILLS repeats the kill and the new node
 #   gpus_disagg   tandem bench disagg --devices cuda:0,cuda:1 (TTFT of a 2,048-token prompt of the
 #                 8B geometry through the cluster against prefill alone) $DISAGG_ARGS
 #   gpus_serve    scripts/serve-compare.sh with tandem up --devices cuda:0,cuda:1: two colocated
@@ -445,11 +446,23 @@ gpus_cluster_body() {
     # Killed mid-transfer, then a new prefill node into the same decode node: once, or
     # GPUS_CLUSTER_KILLS times (to catch an intermittent fault in the decode node).
     cp "$OUT/prefill.log" "$OUT/prefill-$backend.log"
+    local dpid mem0 mem
+    dpid=$(cat "$DIR/decode.pid")
+    mem0=$(gpu_mem_of "$dpid")
     for ((i = 1; i <= kills; i++)); do
         echo "---- $backend: kill $i of $kills"
         kill_mid_transfer "$backend" "$i" "${gen_fresh[i]}" "${node[@]}" || return 1
         after_kill "${gen_after[i]}" " $i" "${node[@]}" --device cuda:0 || return 1
+        # reported, not judged: what each dead peer leaves in the decode node (communicators,
+        # mappings) next to what its engine grew by serving the prompts locally
+        mem=$(gpu_mem_of "$dpid")
+        echo "decode node GPU memory after kill $i: $mem MiB ($((mem - mem0)) MiB more than before the first)"
     done
+}
+
+# MiB of GPU memory process $1 holds, over every GPU.
+gpu_mem_of() {
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | awk -F', ' -v p="$1" '$1 == p {s += $2} END {print s + 0}'
 }
 
 # The prompt of kill $2 with backend $1.
