@@ -475,6 +475,11 @@ pub async fn render_node(core: &NodeCore) -> String {
         "Failed KV transfers by kind.",
         &m.transfer_failures,
     );
+    e.counter(
+        "tandem:kv_nccl_communicators_abandoned_total",
+        "NCCL communicators whose making failed (a peer gone mid-handshake), left unaborted: NCCL cannot always abort one. Each keeps its threads and a few buffers.",
+        tandem_kv_transfer::transport::nccl::communicators_left_unaborted(),
+    );
     e.counters(
         "tandem:local_prefill_total",
         "Requests a decode node prefilled itself, by reason.",

@@ -304,6 +304,8 @@ fn metrics_count_exactly_the_requests_served() {
         assert_eq!(get(node, &series("tandem:kv_transfers_total")), n, "{node:?}");
         assert_eq!(get(node, &series("tandem:kv_transfer_seconds_count")), n);
         assert_eq!(sum(node, "tandem:kv_transfer_failures_total"), 0.0);
+        // Served by every node, whatever its backend (tcp here: no communicator was ever made).
+        assert_eq!(node.get("tandem:kv_nccl_communicators_abandoned_total").copied(), Some(0.0));
     }
     let sent = get(&p, "tandem:kv_transfer_bytes_total{backend=\"tcp\",direction=\"send\"}");
     assert!(sent > 0.0);

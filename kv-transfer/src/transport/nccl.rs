@@ -90,7 +90,7 @@ use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, P
 mod ffi;
 mod wire;
 
-pub use ffi::library_version;
+pub use ffi::{communicators_left_unaborted, library_version};
 use ffi::{Comm, DeviceBuffer, Dir, UniqueId};
 use wire::{Control, Moved, Side};
 

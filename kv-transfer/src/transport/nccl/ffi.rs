@@ -113,6 +113,12 @@ pub(crate) fn api() -> Result<&'static Api> {
     .map_err(|e| Error::Device(format!("NCCL is not available: {e}")))
 }
 
+/// How many communicators this process gave up unaborted because their making failed (see
+/// [`Comm::leak`]): each keeps its host threads and a few buffers.
+pub fn communicators_left_unaborted() -> u64 {
+    LEAKED.load(std::sync::atomic::Ordering::Relaxed) as u64
+}
+
 /// The version of the NCCL this process loads (`major * 10000 + minor * 100 + patch`), or why it
 /// cannot load one: the check a node runs before it offers the nccl backend.
 pub fn library_version() -> Result<i32> {
