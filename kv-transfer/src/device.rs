@@ -105,6 +105,15 @@ pub(crate) struct DeviceKv {
 /// One copy of contiguous bytes: `(destination address, source address, bytes)`.
 pub(crate) type CopyRun = (u64, u64, usize);
 
+/// Appends the copy `(destination, source, bytes)` to `runs`, merged into the last one where both
+/// sides continue it.
+pub(crate) fn push_run(runs: &mut Vec<CopyRun>, dst: u64, src: u64, bytes: usize) {
+    match runs.last_mut() {
+        Some((d, s, n)) if *d + *n as u64 == dst && *s + *n as u64 == src => *n += bytes,
+        _ => runs.push((dst, src, bytes)),
+    }
+}
+
 /// One copy of `rows` equal runs at a constant stride on each side: row `i` moves `width` bytes
 /// from `src + i * src_pitch` to `dst + i * dst_pitch`. A transfer names the same blocks in every
 /// layer and a pool's layers lie at a constant stride, so one run of blocks across a group's layers
@@ -141,10 +150,7 @@ impl StridedCopy {
 pub(crate) fn strided_copies(chunks: &[Vec<CopyRun>]) -> Vec<StridedCopy> {
     let mut flat: Vec<CopyRun> = Vec::new();
     for &(dst, src, bytes) in chunks.iter().flatten() {
-        match flat.last_mut() {
-            Some((d, s, n)) if *d + *n as u64 == dst && *s + *n as u64 == src => *n += bytes,
-            _ => flat.push((dst, src, bytes)),
-        }
+        push_run(&mut flat, dst, src, bytes);
     }
     let strided = match chunks {
         [first, second, ..] if first.len() == second.len() && !first.is_empty() => {
@@ -835,11 +841,7 @@ fn engine_runs<'a>(chunks: impl Iterator<Item = (u64, Blocks<'a>, Blocks<'a>)>, 
     let bb = block_bytes as u64;
     for (src_base, src, dst) in chunks {
         for (&a, &b) in src.ids.iter().zip(dst.ids) {
-            let (s, d) = (src_base + u64::from(a) * bb, dst.base + u64::from(b) * bb);
-            match runs.last_mut() {
-                Some((rd, rs, bytes)) if *rs + *bytes as u64 == s && *rd + *bytes as u64 == d => *bytes += block_bytes,
-                _ => runs.push((d, s, block_bytes)),
-            }
+            push_run(&mut runs, dst.base + u64::from(b) * bb, src_base + u64::from(a) * bb, block_bytes);
         }
     }
     runs
@@ -1356,10 +1358,7 @@ mod tests {
         runs.sort();
         let mut merged: Vec<CopyRun> = Vec::new();
         for (d, s, n) in runs {
-            match merged.last_mut() {
-                Some((md, ms, mn)) if *md + *mn as u64 == d && *ms + *mn as u64 == s => *mn += n,
-                _ => merged.push((d, s, n)),
-            }
+            push_run(&mut merged, d, s, n);
         }
         merged
     }

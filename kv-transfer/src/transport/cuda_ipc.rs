@@ -54,7 +54,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::core::lock;
-use crate::device::{Blocks, CopyRun, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom, StridedCopy, strided_copies, strided_enabled};
+use crate::device::{Blocks, CopyRun, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent, PushFrom, StridedCopy, push_run, strided_copies, strided_enabled};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
@@ -1035,43 +1035,38 @@ impl Link for IpcLink {
         let bb = memory.geometry().block_bytes();
         let bad = |why: &str| Error::Invalid(format!("cuda-ipc write: {why}"));
         super::kv_trace!("write ahead of layers {:?}: link locked", plan.layers);
-        // Per chunk of a layer: the receiver's runs (the same in every layer) and the sender's
-        // iovecs in the first layer (moved to each other layer's array).
         if plan.layers.end > memory.geometry().num_layers() {
             return Err(bad("a source layer outside this pool"));
         }
-        let mut shapes = Vec::with_capacity(plan.chunks.len());
-        for &(first, count) in plan.chunks {
-            let (src, dst) = match (plan.src.get(first..first + count), plan.dst.get(first..first + count)) {
+        // Each chunk's copies (and bytes) in the first layer, made once: another layer's are the
+        // same runs moved by the two pools' layer offsets (the same blocks, layer arrays of the
+        // same size), which costs next to nothing where pairing the runs again per layer cost
+        // ~3 µs each — while the copy engines sat idle after the first chunk.
+        let first = plan.layers.start;
+        let base_of = |l: u32| dest.layer_bases.get(l as usize).copied().ok_or_else(|| bad("a destination layer out of range"));
+        let first_base = base_of(first)?;
+        let mut firsts = Vec::with_capacity(plan.chunks.len());
+        for &(at, count) in plan.chunks {
+            let (src, dst) = match (plan.src.get(at..at + count), plan.dst.get(at..at + count)) {
                 (Some(s), Some(d)) if count > 0 => (s, d),
                 _ => return Err(bad("a chunk outside the transfer's blocks")),
             };
             if src.iter().any(|&b| b >= memory.num_blocks()) {
                 return Err(bad("a source block outside this pool"));
             }
-            shapes.push((block_runs(dst, dest.num_blocks).map_err(bad)?, memory.iovs(plan.layers.start, src)));
+            let dst_runs = block_runs(dst, dest.num_blocks).map_err(bad)?;
+            let (copies, blocks) = pair_runs(memory, &memory.iovs(first, src), first_base, &dst_runs).map_err(bad)?;
+            firsts.push((copies, blocks * bb));
         }
-        // Each chunk's copies in the first layer, made once: another layer's are the same runs moved
-        // by the two pools' layer offsets (the same blocks, layer arrays of the same size), which
-        // costs next to nothing where pairing the runs again per layer cost ~3 µs each — while
-        // the copy engines sat idle after the first chunk.
-        let first = plan.layers.start;
-        let base_of = |l: u32| dest.layer_bases.get(l as usize).copied().ok_or_else(|| bad("a destination layer out of range"));
-        let first_base = base_of(first)?;
-        let firsts = shapes
-            .iter()
-            .map(|(dst_runs, iovs)| pair_runs(memory, iovs, first_base, dst_runs).map(|(copies, blocks)| (copies, blocks * bb)))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(bad)?;
-        let mut per_chunk = Vec::with_capacity(plan.layers.len() * shapes.len());
-        let mut events = Vec::with_capacity(plan.layers.len() * shapes.len());
+        let mut per_chunk = Vec::with_capacity(plan.layers.len() * firsts.len());
+        let mut events = Vec::with_capacity(plan.layers.len() * firsts.len());
         for l in plan.layers.clone() {
             let dst_shift = base_of(l)?.wrapping_sub(first_base);
             let src_shift = (memory.layer_base(l) as u64).wrapping_sub(memory.layer_base(first) as u64);
             for (copies, bytes) in &firsts {
                 let copies = copies.iter().map(|&(d, s, n)| (d.wrapping_add(dst_shift), s.wrapping_add(src_shift), n)).collect();
                 per_chunk.push((copies, *bytes));
-                if events.is_empty() && per_chunk.len() == 1 && plan.layers.len() * shapes.len() > 2 && !dest.same_gpu {
+                if events.is_empty() && per_chunk.len() == 1 && plan.layers.len() * firsts.len() > 2 && !dest.same_gpu {
                     // The first chunk goes at once, a write group of its own: the copy engines
                     // start on it while the host works out the others' runs.
                     // SAFETY: as below.
@@ -1350,8 +1345,6 @@ fn pair_runs(memory: &KvMemory, iovs: &[crate::memory::Iov], base: u64, dst_runs
     Ok((copies, blocks))
 }
 
-/// Appends the copy `(destination, source, bytes)` to `runs`, merged into the last one where both
-/// sides continue it.
 /// The runs `(first block, blocks)` of consecutive ids in `ids` (a receiver's destination blocks),
 /// each id checked against the receiver's `num_blocks`.
 fn block_runs(ids: &[u32], num_blocks: u32) -> std::result::Result<Vec<(u32, u32)>, &'static str> {
@@ -1368,12 +1361,6 @@ fn block_runs(ids: &[u32], num_blocks: u32) -> std::result::Result<Vec<(u32, u32
     Ok(runs)
 }
 
-fn push_run(runs: &mut Vec<CopyRun>, dst: u64, src: u64, bytes: usize) {
-    match runs.last_mut() {
-        Some((d, s, n)) if *d + *n as u64 == dst && *s + *n as u64 == src => *n += bytes,
-        _ => runs.push((dst, src, bytes)),
-    }
-}
 
 /// Below this many bytes, the writes of a batch that are left go in one group. (16 MiB and 8 MiB
 /// measured slower across two H100s: every group is a batch the receiver enqueues, at tens of

@@ -116,7 +116,7 @@ pub(crate) fn api() -> Result<&'static Api> {
 /// How many communicators this process gave up unaborted because their making failed (see
 /// [`Comm::leak`]): each keeps its host threads and a few buffers.
 pub fn communicators_left_unaborted() -> u64 {
-    LEAKED.load(std::sync::atomic::Ordering::Relaxed) as u64
+    LEAKED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The version of the NCCL this process loads (`major * 10000 + minor * 100 + patch`), or why it
@@ -281,7 +281,7 @@ pub(crate) fn off_runtime(job: impl FnOnce() + Send + 'static) {
 }
 
 /// Communicators given up unaborted so far ([`Comm::leak`]).
-static LEAKED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static LEAKED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// One rank of a communicator. Aborted (never destroyed, which could wait forever for a vanished
 /// peer) when dropped, unless its making failed ([`Comm::leak`]).
