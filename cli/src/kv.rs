@@ -270,18 +270,8 @@ async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32, timing: Timing) ->
     let mut recv = rx.expect((dst_first..dst_first + blocks).collect(), 0, None)?;
     // A decode node hands the descriptor to the prefill node through a gRPC call (hundreds of
     // microseconds) while the receiver's grant travels to a sender that writes directly: give it
-    // that head start, outside the timed part — spinning, so that the timed part starts on a core
-    // as awake as the raw references' (each runs right after another measurement), unless
-    // `--idle-start` asks for a core waking from idle.
-    let head_start = Duration::from_millis(1);
-    if timing.idle_start {
-        tokio::time::sleep(head_start).await;
-    } else {
-        let until = Instant::now() + head_start;
-        while Instant::now() < until {
-            std::hint::spin_loop();
-        }
-    }
+    // that head start, outside the timed part.
+    head_start(timing.idle_start).await;
     let t = Instant::now();
     let mut send = tx.send_ready(recv.descriptor(), ids, 0, None)?;
     if timing.spin_end {
@@ -293,6 +283,22 @@ async fn kv_once(tx: &Connector, rx: &Connector, blocks: u32, timing: Timing) ->
     let elapsed = t.elapsed();
     send.wait().await?;
     Ok(elapsed)
+}
+
+/// The 1 ms before each timed transfer and device reference, outside the timed part: spinning, so
+/// that the timed part starts on a core as awake as a prefill node's thread fresh from the
+/// prefill, unless `idle` (`--idle-start`) asks for a core waking from idle; either way the GPUs
+/// have been idle for as long before each.
+async fn head_start(idle: bool) {
+    let head_start = Duration::from_millis(1);
+    if idle {
+        tokio::time::sleep(head_start).await;
+    } else {
+        let until = Instant::now() + head_start;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// A plain loopback TCP connection moving the same bytes, acknowledged with one byte like a transfer is.
@@ -381,13 +387,21 @@ impl Raw {
         }
     }
 
-    async fn once(&mut self, bytes: usize) -> anyhow::Result<Duration> {
-        match self {
-            Raw::Socket(p) => p.once(bytes).await,
-            Raw::Device { src, dst } => Ok(tandem_kv_transfer::raw_device_copy(src, dst, bytes)?),
-            Raw::Nccl { pair, src, dst } => Ok(pair.send(src, dst, bytes)?),
-            Raw::Peer { src, dst } => Ok(tandem_kv_transfer::raw_peer_copy(src, dst, bytes)?),
+    /// One measurement: the time the ratio is taken against — on the host, from the call to its
+    /// end, as a transfer is timed — and, for a copy, the copy engines' time alone. A device
+    /// reference starts after the same head start as a transfer (`timing`), so it too finds the
+    /// GPUs idle and the core awake.
+    async fn once(&mut self, bytes: usize, timing: Timing) -> anyhow::Result<(Duration, Option<Duration>)> {
+        if !matches!(self, Raw::Socket(_)) {
+            head_start(timing.idle_start).await;
         }
+        let copy = |t: tandem_kv_transfer::CopyTime| (t.host, Some(t.device));
+        Ok(match self {
+            Raw::Socket(p) => (p.once(bytes).await?, None),
+            Raw::Device { src, dst } => copy(tandem_kv_transfer::raw_device_copy(src, dst, bytes)?),
+            Raw::Nccl { pair, src, dst } => (pair.send(src, dst, bytes)?, None),
+            Raw::Peer { src, dst } => copy(tandem_kv_transfer::raw_peer_copy(src, dst, bytes)?),
+        })
     }
 }
 
@@ -726,8 +740,15 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
         Some(r) => format!("  {:>18}  {:>8}", format!("{} GB/s", r.name()), "ratio"),
         None => String::new(),
     };
+    // A raw copy is timed as a transfer is, on the host from the call to its end; the copy
+    // engines' time alone (CUDA events around the copy) is shown beside, with the ratio to it.
+    let engine_header = if matches!(raw, Raw::Device { .. } | Raw::Peer { .. }) || matches!(raw2, Some(Raw::Peer { .. })) {
+        format!("  {:>17}  {:>8}", "copy engines GB/s", "ratio")
+    } else {
+        String::new()
+    };
     println!(
-        "{:>8}  {:>12}  {:>16}  {:>8}{second_header}  {:>12}{tls_header}",
+        "{:>8}  {:>12}  {:>16}  {:>8}{second_header}  {:>12}{tls_header}{engine_header}",
         "size",
         "tandem GB/s",
         format!("{} GB/s", raw.name()),
@@ -737,20 +758,26 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     for &mib in &args.sizes {
         let bytes = (mib as usize) << 20;
         timed(&tx, rx.as_ref(), child.as_mut(), Pool::Big, mib, timing).await?;
-        raw.once(bytes).await?;
+        raw.once(bytes, timing).await?;
         if let Some(r) = &mut raw2 {
-            r.once(bytes).await?;
+            r.once(bytes, timing).await?;
         }
         if let Some((ttx, trx)) = &tls_pair {
             kv_once(ttx, trx, mib, timing).await?;
         }
         let (mut kv, mut sock, mut tls, mut second) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // The copy engines' own time of the raw copy (device pools), where one of the references is a copy.
+        let mut engines = Vec::new();
         // Interleave so all see the same machine state.
         for _ in 0..args.iters {
             kv.push(timed(&tx, rx.as_ref(), child.as_mut(), Pool::Big, mib, timing).await?);
-            sock.push(raw.once(bytes).await?);
+            let (host, device) = raw.once(bytes, timing).await?;
+            sock.push(host);
+            engines.extend(device);
             if let Some(r) = &mut raw2 {
-                second.push(r.once(bytes).await?);
+                let (host, device) = r.once(bytes, timing).await?;
+                second.push(host);
+                engines.extend(device);
             }
             if let Some((ttx, trx)) = &tls_pair {
                 tls.push(kv_once(ttx, trx, mib, timing).await?);
@@ -769,8 +796,14 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
             let r = gbs(bytes, median(second));
             format!("  {:>18.2}  {:>7.0}%", r, 100.0 * k / r)
         };
+        let engine_cols = if engines.is_empty() {
+            String::new()
+        } else {
+            let e = gbs(bytes, median(engines));
+            format!("  {:>17.2}  {:>7.0}%", e, 100.0 * k / e)
+        };
         println!(
-            "{:>5} MiB  {:>12.2}  {:>16.2}  {:>7.0}%{second_cols}  {:>12.2}{tls_cols}",
+            "{:>5} MiB  {:>12.2}  {:>16.2}  {:>7.0}%{second_cols}  {:>12.2}{tls_cols}{engine_cols}",
             mib,
             k,
             s,
@@ -801,7 +834,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     let timing = Timing { pool_blocks: 1, ..timing };
     for _ in 0..20 {
         timed(&stx, srx.as_ref(), child.as_mut(), Pool::Small, 1, timing).await?;
-        raw_small.once(small).await?;
+        raw_small.once(small, timing).await?;
         if let Some((ttx, trx)) = &small_tls {
             kv_once(ttx, trx, 1, timing).await?;
         }
@@ -809,7 +842,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     let (mut kv, mut sock, mut tls) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.latency_iters {
         kv.push(timed(&stx, srx.as_ref(), child.as_mut(), Pool::Small, 1, timing).await?);
-        sock.push(raw_small.once(small).await?);
+        sock.push(raw_small.once(small, timing).await?.0);
         if let Some((ttx, trx)) = &small_tls {
             tls.push(kv_once(ttx, trx, 1, timing).await?);
         }

@@ -1255,11 +1255,24 @@ fn raw_pair(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<(DeviceAlloc
     Ok((a, b, da, db))
 }
 
-/// Times one copy that `launch` enqueues on GPU `device`'s timing stream, with CUDA events around
-/// the copy alone. The stream and events are made once per GPU and kept (a stream and two events
-/// made and destroyed per measurement left the driver work that slowed the first calls of the
-/// transfer timed next).
-fn time_copy(device: i32, what: &str, launch: impl FnOnce(&CudaStream) -> Result<()>) -> Result<std::time::Duration> {
+/// One raw copy timed two ways.
+#[derive(Debug, Clone, Copy)]
+pub struct CopyTime {
+    /// As its caller sees it: from the call that enqueues the copy to the host seeing it done —
+    /// how a transfer (`send_ready` to verified) and the bare NCCL send are timed, and what a
+    /// program calling `cudaMemcpyPeer` waits.
+    pub host: std::time::Duration,
+    /// The copy engines' time alone: CUDA events around the copy (no call, start-up or
+    /// completion latency).
+    pub device: std::time::Duration,
+}
+
+/// Times one copy that `launch` enqueues on GPU `device`'s timing stream: on the host, from the
+/// launch to the synchronize returning, and on the device, with CUDA events around the copy alone.
+/// The stream and events are made once per GPU and kept (a stream and two events made and
+/// destroyed per measurement left the driver work that slowed the first calls of the transfer
+/// timed next).
+fn time_copy(device: i32, what: &str, launch: impl FnOnce(&CudaStream) -> Result<()>) -> Result<CopyTime> {
     use cudarc::driver::sys::CUevent_flags;
     struct Timer {
         start: cudarc::driver::CudaEvent,
@@ -1280,17 +1293,19 @@ fn time_copy(device: i32, what: &str, launch: impl FnOnce(&CudaStream) -> Result
         }
     };
     t.start.record(&t.stream).map_err(e)?;
+    let host = std::time::Instant::now();
     launch(&t.stream)?;
     t.stop.record(&t.stream).map_err(e)?;
     t.stop.synchronize().map_err(e)?;
+    let host = host.elapsed();
     let ms = t.start.elapsed_ms(&t.stop).map_err(e)?;
-    Ok(std::time::Duration::from_secs_f64(f64::from(ms) / 1e3))
+    Ok(CopyTime { host, device: std::time::Duration::from_secs_f64(f64::from(ms) / 1e3) })
 }
 
 /// The ceiling a device backend is measured against on one GPU: one plain device-to-device copy of
 /// the first `bytes` of `src`'s allocation into `dst`'s (`cuMemcpyDtoDAsync` on a stream of its
-/// own), timed with CUDA events around the copy alone.
-pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std::time::Duration> {
+/// own), timed on the host and with CUDA events around the copy alone ([`CopyTime`]).
+pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<CopyTime> {
     let (a, b, device, _) = raw_pair(src, dst, bytes)?;
     time_copy(device, "raw device copy", |stream| {
         // SAFETY: both ranges lie inside live device allocations (checked by `raw_pair`) that
@@ -1304,8 +1319,9 @@ pub fn raw_device_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<s
 
 /// The copy-engine ceiling between two GPUs (`cudaMemcpyPeer`): one `cuMemcpyPeerAsync` of the first
 /// `bytes` of `src`'s allocation (on its GPU) into `dst`'s (on another), peer access enabled both
-/// ways first, timed with CUDA events on a stream of the source GPU.
-pub fn raw_peer_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<std::time::Duration> {
+/// ways first, on a stream of the source GPU, timed on the host and with CUDA events
+/// ([`CopyTime`]).
+pub fn raw_peer_copy(src: &KvMemory, dst: &KvMemory, bytes: usize) -> Result<CopyTime> {
     let (a, b, da, db) = raw_pair(src, dst, bytes)?;
     enable_peer_access(da, db)?;
     enable_peer_access(db, da)?;

@@ -28,7 +28,7 @@ pub mod conformance;
 
 pub use connector::{Connector, ConnectorConfig, ConnectorSpec, Metrics, TransferDescriptor, make_transport};
 pub use core::MAX_CHUNK_BLOCKS;
-pub use device::{raw_device_copy, raw_peer_copy};
+pub use device::{CopyTime, raw_device_copy, raw_peer_copy};
 pub use error::{Error, Result};
 pub use geometry::{DType, Geometry, GeometrySpec, Layout};
 pub use handle::{Progress, RecvHandle, SendHandle, TransferState, TransferStats};

@@ -393,6 +393,7 @@ impl NcclTransport {
                         }
                         published
                     });
+                    tracing::debug!(peer = %link.state.peer(), published, "nccl communicator made");
                     if !published {
                         retire(gpu); // the link closed meanwhile
                     }
@@ -638,6 +639,7 @@ impl LinkGpu {
                 None
             };
             if let Some(reason) = give_up {
+                tracing::debug!(%reason, "nccl: giving up on the communicator being made");
                 abandon.store(true, Ordering::Release);
                 return Err(reason);
             }
@@ -884,9 +886,11 @@ impl LinkGpu {
     /// Aborts the communicators (once): their kernels stop, so the link's streams run out. Blocking.
     fn abort(&self) {
         let comms = std::mem::take(&mut *lock(&self.comms));
+        let n = comms.len();
         for comm in comms {
             comm.abort();
         }
+        tracing::debug!(communicators = n, "nccl: communicators aborted");
     }
 }
 
@@ -912,6 +916,16 @@ enum GpuState {
     Starting,
     Ready(Arc<LinkGpu>),
     Failed(String),
+}
+
+impl GpuState {
+    fn name(&self) -> &'static str {
+        match self {
+            GpuState::Starting => "starting",
+            GpuState::Ready(_) => "ready",
+            GpuState::Failed(_) => "failed",
+        }
+    }
 }
 
 /// A batch's device work, waited for in order by the link's worker thread.
@@ -1051,10 +1065,9 @@ impl NcclLink {
 
     /// Aborts the communicator (or makes sure one still being created is): the link is closing.
     fn retire_gpu(&self) {
-        if let GpuState::Ready(gpu) = self
-            .gpu
-            .send_replace(GpuState::Failed("link closed".into()))
-        {
+        let was = self.gpu.send_replace(GpuState::Failed("link closed".into()));
+        tracing::debug!(peer = %self.state.peer(), state = was.name(), "nccl link retiring its communicator");
+        if let GpuState::Ready(gpu) = was {
             retire(gpu);
         }
     }
@@ -1394,6 +1407,7 @@ impl Reader {
                 break reason;
             }
         };
+        tracing::debug!(peer = %self.link.state.peer(), reason = %natural, "nccl link reader ending");
         self.link.state.fail(natural);
         let how = closed.borrow().clone();
         // Abort the communicator (the link's device work runs out), then let the worker report
