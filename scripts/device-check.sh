@@ -83,7 +83,7 @@
 set -euo pipefail
 
 export LD_LIBRARY_PATH="/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0
+export NCCL_NVLS_ENABLE=0 NCCL_MAX_P2P_NCHANNELS=${NCCL_MAX_P2P_NCHANNELS:-16}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
 export TANDEM_REPO_ROOT="$PWD"
 export PYTHONUNBUFFERED=1

@@ -9,8 +9,9 @@
 //!
 //! Invariants:
 //! - Nothing panics when the library is missing, older than 2.14, or lacks a symbol: [`api`] says so.
-//! - `NCCL_NVLS_ENABLE=0` is in the process environment (unless the operator set the variable)
-//!   before the first NCCL call: every path into NCCL goes through [`api`], which sets it first.
+//! - `NCCL_NVLS_ENABLE=0` and `NCCL_MAX_P2P_NCHANNELS=16` are in the process environment (each
+//!   unless the operator set it) before the first NCCL call: every path into NCCL goes through
+//!   [`api`], which sets them first ([`NCCL_DEFAULTS`]).
 //! - A [`Comm`] is used by one thread at a time (its owner keeps it behind a mutex) and aborted
 //!   exactly once, by [`Comm::abort`] or when dropped — or never, when its making failed
 //!   ([`Comm::leak`]: NCCL 2.28 can crash aborting one).
@@ -106,7 +107,7 @@ pub(crate) struct Api {
 pub(crate) fn api() -> Result<&'static Api> {
     static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
     API.get_or_init(|| {
-        nvls_off();
+        nccl_defaults();
         load()
     })
     .as_ref()
@@ -130,18 +131,30 @@ pub(crate) fn version_text(code: i32) -> String {
     format!("{}.{}.{}", code / 10000, code / 100 % 100, code % 100)
 }
 
-/// `NCCL_NVLS_ENABLE=0` unless the operator chose: NVLink SHARP reserves multicast memory at every
-/// communicator's creation, which a two-rank point-to-point communicator never uses.
-fn nvls_off() {
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        // SAFETY: `set_var` is unsound only while another thread reads or writes the environment
-        // through libc (Rust's own `std::env` calls are serialised with it). This runs once, inside
-        // the `OnceLock` that guards the first NCCL call of the process, before NCCL (the only reader
-        // of this variable) starts; tandem reads its environment through `std::env`, and the CUDA
-        // driver read its own at `cuInit`, before any pool could exist. A foreign library calling
-        // `getenv` on another thread at this very instant is the remaining window; binaries close it
-        // by exporting the variable before they start threads (scripts/device-check.sh does).
-        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+/// NCCL's environment as tandem starts it, each variable unless the operator set it:
+/// - `NCCL_NVLS_ENABLE=0`: NVLink SHARP reserves multicast memory at every communicator's
+///   creation, which a two-rank point-to-point communicator never uses.
+/// - `NCCL_MAX_P2P_NCHANNELS=16`: NCCL gives a peer 32 point-to-point channels by default, each
+///   with ~10 MiB of buffers on both GPUs once connected — ~1.3 GB per link of 4 communicators,
+///   held on the decode GPU for every prefill peer. 16 moved 256 MiB as fast in `tandem bench kv`
+///   on two H200s over NVLink (the link and a bare NCCL send alike; 8 cut the bare send to 74 %)
+///   with half the buffers (BENCHMARKS.md, 2026-11-28).
+pub(crate) const NCCL_DEFAULTS: &[(&str, &str)] = &[("NCCL_NVLS_ENABLE", "0"), ("NCCL_MAX_P2P_NCHANNELS", "16")];
+
+/// Sets [`NCCL_DEFAULTS`] the operator left unset.
+fn nccl_defaults() {
+    for (name, value) in NCCL_DEFAULTS {
+        if std::env::var_os(name).is_none() {
+            // SAFETY: `set_var` is unsound only while another thread reads or writes the environment
+            // through libc (Rust's own `std::env` calls are serialised with it). This runs once,
+            // inside the `OnceLock` that guards the first NCCL call of the process, before NCCL (the
+            // only reader of these variables) starts; tandem reads its environment through
+            // `std::env`, and the CUDA driver read its own at `cuInit`, before any pool could exist.
+            // A foreign library calling `getenv` on another thread at this very instant is the
+            // remaining window; binaries close it by exporting the variables before they start
+            // threads (scripts/device-check.sh does).
+            unsafe { std::env::set_var(name, value) };
+        }
     }
 }
 
@@ -627,6 +640,8 @@ mod tests {
             Err(e) => panic!("unexpected error kind: {e}"),
         }
         // The environment NCCL starts with is set either way.
-        assert!(std::env::var_os("NCCL_NVLS_ENABLE").is_some());
+        for (name, _) in NCCL_DEFAULTS {
+            assert!(std::env::var_os(name).is_some(), "{name}");
+        }
     }
 }
