@@ -477,7 +477,7 @@ pub async fn render_node(core: &NodeCore) -> String {
     );
     e.counter(
         "tandem:kv_nccl_communicators_abandoned_total",
-        "NCCL communicators whose making failed (a peer gone mid-handshake), left unaborted: NCCL cannot always abort one. Each keeps its threads and a few buffers.",
+        "NCCL communicators whose making failed (a peer gone mid-handshake), left unaborted: NCCL cannot always abort one. Each keeps its threads and the buffers NCCL allocated before failing (up to a few hundred MiB of GPU memory).",
         tandem_kv_transfer::transport::nccl::communicators_left_unaborted(),
     );
     e.counters(
