@@ -961,7 +961,7 @@ impl IpcLink {
         // On one GPU the verification reads as fast as the copy writes: groups buy nothing there
         // but the receiver's launches.
         let min = if dest.same_gpu { usize::MAX } else { WRITE_GROUP_MIN };
-        let ends = write_groups(per_chunk.iter().map(|(_, bytes)| *bytes), min);
+        let ends = write_groups(per_chunk.iter().map(|(_, bytes)| *bytes), min, group_share());
         super::kv_trace!("write: {} chunks located, {} groups", per_chunk.len(), ends.len());
         let mut chunks = per_chunk.into_iter();
         let mut begin = 0;
@@ -1369,20 +1369,21 @@ const WRITE_GROUP_MIN: usize = 32 << 20;
 
 /// How a sender cuts a batch of chunk writes (of these sizes, in order) into groups, each with a
 /// write event behind it that the receiver verifies the group behind: the ends of the groups
-/// (exclusive chunk indices). Each group takes about half of the bytes left (at least one chunk),
-/// until at most `min` are left, which go in one group — but for the last chunk, a group of its
-/// own once the batch was cut: with `WRITE_GROUP_MIN`, 256 MiB of 8 MiB chunks go as 128, 64, 32,
-/// 24 and 8 MiB. Few, big copies keep the copy engines at the link's rate (every
-/// copy boundary costs them a few microseconds); the halving keeps the receiver's verification of
-/// each group (several times faster than the link) done while the next group still moves, so what
-/// is left after the last byte landed is the verification of a small last group.
-fn write_groups(sizes: impl IntoIterator<Item = usize>, min: usize) -> Vec<usize> {
+/// (exclusive chunk indices). Each group takes about `share` percent of the bytes left (at least
+/// one chunk), until at most `min` are left, which go in one group — but for the last chunk, a
+/// group of its own once the batch was cut: with `WRITE_GROUP_MIN` and half, 256 MiB of 8 MiB
+/// chunks go as 128, 64, 32, 24 and 8 MiB. Few, big copies keep the copy engines at the link's
+/// rate (every copy boundary costs them a few microseconds); the shrinking keeps the receiver's
+/// verification of each group (several times faster than the link) done while the next group
+/// still moves, so what is left after the last byte landed is the verification of a small last
+/// group.
+fn write_groups(sizes: impl IntoIterator<Item = usize>, min: usize, share: usize) -> Vec<usize> {
     let sizes: Vec<usize> = sizes.into_iter().collect();
     let mut left: usize = sizes.iter().sum();
     let mut ends = Vec::new();
     let mut i = 0;
     while i < sizes.len() {
-        let target = if left <= min { left } else { left / 2 };
+        let target = if left <= min { left } else { left / 100 * share };
         let mut taken = 0;
         while i < sizes.len() && (taken == 0 || taken < target) {
             taken += sizes[i];
@@ -1400,6 +1401,16 @@ fn write_groups(sizes: impl IntoIterator<Item = usize>, min: usize) -> Vec<usize
         ends.insert(ends.len() - 1, b - 1);
     }
     ends
+}
+
+/// The percent of the bytes left each write group takes: 50, or `TANDEM_KV_WRITE_GROUP_SHARE`
+/// (1–99; 75 cuts 248 MiB of 8 MiB chunks into 192, 48 and 8 MiB — fewer copy boundaries, for
+/// comparing).
+fn group_share() -> usize {
+    static SHARE: OnceLock<usize> = OnceLock::new();
+    *SHARE.get_or_init(|| {
+        std::env::var("TANDEM_KV_WRITE_GROUP_SHARE").ok().and_then(|v| v.parse().ok()).filter(|p| (1..100).contains(p)).unwrap_or(50)
+    })
 }
 
 /// Whether a cut batch's last chunk is a write group of its own (`TANDEM_KV_NO_SMALL_LAST_GROUP=1`
@@ -1474,7 +1485,11 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     fn groups(sizes: &[usize]) -> Vec<usize> {
-        let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN);
+        groups_of(sizes, 50)
+    }
+
+    fn groups_of(sizes: &[usize], share: usize) -> Vec<usize> {
+        let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN, share);
         let mut begin = 0;
         ends.iter()
             .map(|&end| {
@@ -1552,8 +1567,16 @@ mod tests {
         assert_eq!(groups(&[16 * MIB; 2]), [32]);
         assert_eq!(groups(&[MIB; 16]), [16]);
         assert_eq!(groups(&[64 * MIB]), [64]);
-        assert!(write_groups(std::iter::empty(), WRITE_GROUP_MIN).is_empty());
-        assert_eq!(write_groups([8 * MIB; 32], usize::MAX), [32]);
+        assert!(write_groups(std::iter::empty(), WRITE_GROUP_MIN, 50).is_empty());
+        assert_eq!(write_groups([8 * MIB; 32], usize::MAX, 50), [32]);
+    }
+
+    #[test]
+    fn a_bigger_share_cuts_fewer_groups() {
+        // What a 256 MiB transfer's write-ahead hands `write_groups` after its first chunk.
+        assert_eq!(groups_of(&[8 * MIB; 31], 50), [128, 64, 32, 16, 8]);
+        assert_eq!(groups_of(&[8 * MIB; 31], 75), [192, 48, 8]);
+        assert_eq!(groups_of(&[8 * MIB; 31], 99), [248]);
     }
 
     #[test]
@@ -1562,7 +1585,7 @@ mod tests {
         for _ in 0..500 {
             let n = (xorshift(&mut state) % 70) as usize;
             let sizes: Vec<usize> = (0..n).map(|i| ((state >> (i % 40)) as usize % (12 * MIB)) / 4096 * 4096 + 4096).collect();
-            let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN);
+            let ends = write_groups(sizes.iter().copied(), WRITE_GROUP_MIN, 50);
             assert_eq!(ends.last().copied().unwrap_or(0), n);
             assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends.first().is_none_or(|&e| e > 0));
             // Once the batch is cut, its last chunk is a group of its own, and the one before it
