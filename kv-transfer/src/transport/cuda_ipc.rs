@@ -1383,7 +1383,7 @@ fn write_groups(sizes: impl IntoIterator<Item = usize>, min: usize, share: usize
     let mut ends = Vec::new();
     let mut i = 0;
     while i < sizes.len() {
-        let target = if left <= min { left } else { left / 100 * share };
+        let target = if left <= min { left } else { (left as u128 * share as u128 / 100) as usize };
         let mut taken = 0;
         while i < sizes.len() && (taken == 0 || taken < target) {
             taken += sizes[i];
