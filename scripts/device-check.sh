@@ -446,17 +446,17 @@ gpus_cluster_body() {
     # Killed mid-transfer, then a new prefill node into the same decode node: once, or
     # GPUS_CLUSTER_KILLS times (to catch an intermittent fault in the decode node).
     cp "$OUT/prefill.log" "$OUT/prefill-$backend.log"
-    local dpid mem0 mem
-    dpid=$(cat "$DIR/decode.pid")
-    mem0=$(gpu_mem_of "$dpid")
-    DECODE_PID=$dpid
+    local mem0 mem
+    # (global: kill_mid_transfer reports it too)
+    DECODE_PID=$(cat "$DIR/decode.pid")
+    mem0=$(gpu_mem_of "$DECODE_PID")
     for ((i = 1; i <= kills; i++)); do
         echo "---- $backend: kill $i of $kills"
         kill_mid_transfer "$backend" "$i" "${gen_fresh[i]}" "${node[@]}" || return 1
         after_kill "${gen_after[i]}" " $i" "${node[@]}" --device cuda:0 || return 1
         # reported, not judged: what each dead peer leaves in the decode node (communicators,
         # mappings) next to what its engine grew by serving the prompts locally
-        mem=$(gpu_mem_of "$dpid")
+        mem=$(gpu_mem_of "$DECODE_PID")
         echo "decode node GPU memory after kill $i: $mem MiB ($((mem - mem0)) MiB more than before the first)"
     done
 }
@@ -481,7 +481,7 @@ kill_mid_transfer() {
     # are in flight; the decode node must answer (local prefill) and free every block.
     stop_bg prefill
     sleep 3
-    [[ -n "${DECODE_PID:-}" ]] && echo "decode node GPU memory once the previous prefill node left: $(gpu_mem_of "$DECODE_PID") MiB"
+    echo "decode node GPU memory once the previous prefill node left: $(gpu_mem_of "$DECODE_PID") MiB"
     failed=$(grep -c "remote prefill failed" "$OUT/decode.log")
     TANDEM_KV_TEST_CHUNK_DELAY_MS=300 start_bg prefill prefill "$@" --device cuda:0 >/dev/null || return 1
     ppid=$(cat "$DIR/prefill.pid")
@@ -507,7 +507,7 @@ kill_mid_transfer() {
         sleep 0.2
     done
     echo "decode node (cuda:1): used KV blocks after the kill: $used"
-    [[ -n "${DECODE_PID:-}" ]] && echo "decode node GPU memory after the kill: $(gpu_mem_of "$DECODE_PID") MiB"
+    echo "decode node GPU memory after the kill: $(gpu_mem_of "$DECODE_PID") MiB"
     [[ "$used" == 0.0 ]] || { echo "$backend: decode blocks still in use"; return 1; }
     if nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -qw "$ppid"; then
         echo "$backend: the killed prefill process still holds GPU memory"; return 1

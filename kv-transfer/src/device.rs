@@ -1448,11 +1448,7 @@ mod tests {
                 .map(|l| {
                     let mut runs: Vec<CopyRun> = Vec::new();
                     for (&a, &b) in src_ids[..n].iter().zip(&dst_ids[..n]) {
-                        let (d, s) = ((1 << 32) + l * dst_layer + u64::from(b) * BB, l * src_layer + u64::from(a) * BB);
-                        match runs.last_mut() {
-                            Some((rd, rs, rn)) if *rd + *rn as u64 == d && *rs + *rn as u64 == s => *rn += BB as usize,
-                            _ => runs.push((d, s, BB as usize)),
-                        }
+                        push_run(&mut runs, (1 << 32) + l * dst_layer + u64::from(b) * BB, l * src_layer + u64::from(a) * BB, BB as usize);
                     }
                     runs
                 })

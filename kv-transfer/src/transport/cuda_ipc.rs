@@ -1361,7 +1361,6 @@ fn block_runs(ids: &[u32], num_blocks: u32) -> std::result::Result<Vec<(u32, u32
     Ok(runs)
 }
 
-
 /// Below this many bytes, the writes of a batch that are left go in one group. (16 MiB and 8 MiB
 /// measured slower across two H100s: every group is a batch the receiver enqueues, at tens of
 /// microseconds of host time, and those must be done before the last byte lands.)

@@ -115,7 +115,7 @@ pub(crate) fn api() -> Result<&'static Api> {
 }
 
 /// How many communicators this process gave up unaborted because their making failed (see
-/// [`Comm::leak`]): each keeps its host threads and a few buffers.
+/// [`Comm::leak`]): each keeps its host threads and the buffers NCCL allocated before it failed.
 pub fn communicators_left_unaborted() -> u64 {
     LEAKED.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -139,7 +139,7 @@ pub(crate) fn version_text(code: i32) -> String {
 ///   held on the decode GPU for every prefill peer. 16 moved 256 MiB as fast in `tandem bench kv`
 ///   on two H200s over NVLink (the link and a bare NCCL send alike; 8 cut the bare send to 74 %)
 ///   with half the buffers (BENCHMARKS.md, 2026-11-28).
-pub(crate) const NCCL_DEFAULTS: &[(&str, &str)] = &[("NCCL_NVLS_ENABLE", "0"), ("NCCL_MAX_P2P_NCHANNELS", "16")];
+const NCCL_DEFAULTS: &[(&str, &str)] = &[("NCCL_NVLS_ENABLE", "0"), ("NCCL_MAX_P2P_NCHANNELS", "16")];
 
 /// Sets [`NCCL_DEFAULTS`] the operator left unset.
 fn nccl_defaults() {
@@ -350,7 +350,9 @@ impl Comm {
     /// node whose prefill peer was killed while their communicator was being split and connected
     /// died of SIGSEGV (and once SIGABRT) inside `ncclCommAbort` (`commFree` freeing the channel
     /// peers, `cuMemAddressFree`, glibc's `free`). No kernel of it runs (a failed call launched
-    /// none), so what stays is its host threads, idle with the peer gone, and its few buffers.
+    /// none), so what stays is its host threads, idle with the peer gone, and the buffers NCCL
+    /// allocated before failing (connecting the lanes allocates each point-to-point channel's:
+    /// ~10 MiB each, measured on two H200s).
     pub(crate) fn leak(self) {
         let raw = std::mem::ManuallyDrop::new(self).raw;
         if !raw.is_null() {
