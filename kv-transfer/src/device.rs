@@ -317,15 +317,17 @@ impl DeviceKv {
     }
 
     /// Enqueues the copies of `groups` on the write stream (the copy engines; peer copies when the
-    /// receiver's pool is on another GPU) and records the next write event behind each group;
-    /// returns each group's event index.
+    /// receiver's pool is on another GPU) and records the next write event behind each group —
+    /// the kind its receiver waits on: the plain twin for a receiver in this process
+    /// (`same_process`), the interprocess event otherwise (a slot's other kind keeps its last
+    /// record, which only receivers of that kind wait on) — and returns each group's event index.
     ///
     /// # Safety
     ///
     /// Every source range (each row of each copy) must be whole blocks of this connector's pool that the caller holds (a
     /// transfer's claim) until the receiver acknowledged them, and every destination range blocks
     /// of a receiver's pool, as this GPU addresses it, that the receiver granted to the transfer.
-    pub(crate) unsafe fn write(&self, groups: &[Vec<StridedCopy>]) -> Result<Vec<usize>> {
+    pub(crate) unsafe fn write(&self, groups: &[Vec<StridedCopy>], same_process: bool) -> Result<Vec<usize>> {
         self.with_writer(|w| {
             w.stream.context().bind_to_thread().map_err(err("binding the context"))?;
             crate::transport::kv_trace!("write: bound, {} groups to enqueue", groups.len());
@@ -372,10 +374,14 @@ impl DeviceKv {
                 crate::transport::kv_trace!("write group of {} copies: copies enqueued", copies.len());
                 let k = w.next;
                 w.next = (w.next + 1) % w.events.len();
-                // SAFETY: the events and the stream belong to this context.
-                unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
-                // SAFETY: as above.
-                unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+                if !same_process {
+                    // SAFETY: the events and the stream belong to this context.
+                    unsafe { cudarc::driver::sys::cuEventRecord(w.events[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+                }
+                if same_process || marks.is_some() {
+                    // SAFETY: as above.
+                    unsafe { cudarc::driver::sys::cuEventRecord(w.local[k].0, w.stream.cu_stream()) }.result().map_err(err("recording a write event"))?;
+                }
                 crate::transport::kv_trace!("write group of {} copies enqueued, event {k}", copies.len());
                 if let Some((_, m)) = marks.as_mut() {
                     m.push((copies.len(), w.local[k].0));

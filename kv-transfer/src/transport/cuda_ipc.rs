@@ -976,7 +976,7 @@ impl IpcLink {
             })
             .collect();
         // SAFETY: the caller's contract.
-        let events = unsafe { transport.device.write(&groups)? };
+        let events = unsafe { transport.device.write(&groups, dest.same_process)? };
         let mut begin = 0;
         let mut per_payload = Vec::with_capacity(ends.last().copied().unwrap_or(0));
         for (&end, &event) in ends.iter().zip(&events) {
