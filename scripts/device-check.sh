@@ -477,19 +477,29 @@ kill_mid_transfer() {
     fresh=$(kill_prompt "$backend" "$2")
     shift 3
     # Killed mid-transfer: the restarted prefill node paces its chunks (300 ms before each; 4 layers,
-    # so the transfer takes over 1.2 s) and is killed 0.7 s after the request went out, while chunks
-    # are in flight; the decode node must answer (local prefill) and free every block.
+    # so the transfer takes over 1.2 s) and is killed once its first chunk left — the link (with
+    # nccl its communicators, made by the first transfer) up and carrying bytes, the other chunks
+    # still to come; the decode node must answer (local prefill) and free every block.
     stop_bg prefill
     sleep 3
     echo "decode node GPU memory once the previous prefill node left: $(gpu_mem_of "$DECODE_PID") MiB"
     failed=$(grep -c "remote prefill failed" "$OUT/decode.log")
-    TANDEM_KV_TEST_CHUNK_DELAY_MS=300 start_bg prefill prefill "$@" --device cuda:0 >/dev/null || return 1
+    TANDEM_LOG=info,tandem_kv_transfer=debug TANDEM_KV_TEST_CHUNK_DELAY_MS=300 \
+        start_bg prefill prefill "$@" --device cuda:0 >/dev/null || return 1
     ppid=$(cat "$DIR/prefill.pid")
     sleep 3
     .device/tandem client --router "$router" --max-tokens 16 "$fresh" >"$DIR/killed.out" 2>"$OUT/client.log" &
     echo $! >"$DIR/client.pid"
-    sleep 0.7
+    for ((i = 0; i < 200; i++)); do
+        grep -q "KV transfer: first chunk sent" "$OUT/prefill.log" && break
+        sleep 0.05
+    done
+    grep -q "KV transfer: first chunk sent" "$OUT/prefill.log" || { echo "$backend: no chunk left the prefill node within 10 s"; return 1; }
     stop_bg prefill
+    if [[ "$backend" == nccl ]]; then
+        grep -q "nccl communicator made" "$OUT/prefill.log" || { echo "nccl: killed before the link's communicator was made"; return 1; }
+        echo "nccl: killed after the link's communicator was made and its first chunk left"
+    fi
     if grep -q "prefill done" "$OUT/prefill.log"; then
         echo "$backend: the paced transfer finished before the kill"; return 1
     fi

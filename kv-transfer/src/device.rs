@@ -186,10 +186,11 @@ pub(crate) const WRITE_EVENTS: usize = 64;
 /// ring of interprocess events recorded behind them, which receivers wait on before verifying.
 /// (Re-recording an event only makes a later waiter wait longer: one stream, in order.)
 ///
-/// Each interprocess event has a plain twin recorded at the same point, for receivers in this same
-/// process: the driver (580, H100) crashes in `cuStreamWaitEvent` when a stream of another GPU
-/// waits on an interprocess event of the process that made it, and refuses to open the handle of
-/// an event of its own process; a plain event may be waited on from any GPU.
+/// Each interprocess event has a plain twin, for receivers in this same process: the driver (580,
+/// H100) crashes in `cuStreamWaitEvent` when a stream of another GPU waits on an interprocess event
+/// of the process that made it, and refuses to open the handle of an event of its own process; a
+/// plain event may be waited on from any GPU. A write records only the kind its receiver waits on
+/// (recording both cost ~1.5 points of the peer copy's rate at 256 MiB across two H200s).
 struct Writer {
     // Events before the stream (drop order).
     events: Vec<RawEvent>,

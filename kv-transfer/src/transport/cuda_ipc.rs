@@ -21,7 +21,8 @@
 //! transfer it granted (see docs/rfc-kv-sender-writes.md) the sender writes the blocks itself: it
 //! turns each batch into copies of contiguous runs on its write stream, in groups that halve the
 //! bytes left down to `WRITE_GROUP_MIN` (a group's copies enqueued as one `cuMemcpyBatchAsync`
-//! where the driver has it) with one of its interprocess write events behind each, and announces
+//! where the driver has it) with one of its write events behind each (interprocess, or its plain
+//! twin for a receiver in the same process), and announces
 //! the chunks as written; the receiver verifies each group behind its event.
 //!
 //! Endpoint: `cuda-ipc://HOSTKEY/path/to/socket`, where HOSTKEY identifies this host's boot; a
