@@ -49,7 +49,8 @@
 #   gpus_cluster  with --kv-connector nccl and then cuda-ipc: tandem up --devices cuda:0,cuda:1
 #                 == generate; etcd + router + prefill node on cuda:0 + decode node on cuda:1 as
 #                 processes: client output == generate; a prefill node
-#                 killed mid-transfer (transfers paced by TANDEM_KV_TEST_CHUNK_DELAY_MS) leaves a
+#                 killed mid-transfer (transfers paced by TANDEM_KV_TEST_CHUNK_DELAY_MS, the kill
+#                 once its first chunk left: with nccl the link's communicators made) leaves a
 #                 correct answer, every decode block free, and no memory of it on cuda:0, and a
 #                 new prefill node then transfers into the same decode node (the decode node's GPU
 #                 memory reported after each); $GPUS_CLUSTER_BACKENDS picks the backends,
