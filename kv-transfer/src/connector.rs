@@ -290,7 +290,9 @@ impl Connector {
     /// (default: the config's `transfer_timeout`), and with [`Error::Rejected`] if the sender states
     /// another binding.
     pub fn expect(&self, dst_blocks: Vec<u32>, binding: u64, timeout: Option<Duration>) -> Result<RecvHandle> {
-        self.core.expect(dst_blocks, binding, timeout.unwrap_or(self.core_config_timeout()))
+        let handle = self.core.expect(dst_blocks, binding, timeout.unwrap_or(self.core_config_timeout()))?;
+        self.transport.expecting();
+        Ok(handle)
     }
 
     /// Sender side: starts pushing `src_blocks` (paired in order with `desc.dst_blocks`) to the receiver.

@@ -59,7 +59,7 @@ use crate::device::{Blocks, CopyRun, DeviceKv, PULL_BATCH, PULL_SLOTS, PullEvent
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::transport::link_state::{Closed, LinkState};
-use crate::transport::spin_read::{SpinRead, spawn_reader};
+use crate::transport::spin_read::{Alert, SpinRead, spawn_reader};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 /// Where the control socket goes.
@@ -208,6 +208,8 @@ pub struct CudaIpcTransport {
     /// The completion thread, joined by `shutdown` (it may drop the last hold on the device side,
     /// which must not happen while the process exits).
     completion: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Arms the receiving links' readers when a transfer is expected (see `spin_read::Alert`).
+    alert: Arc<Alert>,
     me: Weak<CudaIpcTransport>,
 }
 
@@ -368,6 +370,7 @@ impl CudaIpcTransport {
             inbox,
             jobs: Mutex::new(Some(jobs_tx)),
             completion: Mutex::new(None),
+            alert: Arc::default(),
             me: me.clone(),
         });
         let pulls = Arc::clone(&transport.pulls);
@@ -690,6 +693,10 @@ impl Transport for CudaIpcTransport {
 
     fn endpoint(&self) -> String {
         self.endpoint.clone()
+    }
+
+    fn expecting(&self) {
+        self.alert.arm(super::spin_read::spin_window());
     }
 
     fn connect<'a>(&'a self, endpoint: &'a str) -> BoxFuture<'a, Result<Arc<dyn Link>>> {
@@ -1149,7 +1156,10 @@ impl Reader {
         let dyn_link: Arc<dyn Link> = Arc::clone(&self.link) as Arc<dyn Link>;
         // The receiving side polls its socket while the link is busy (see `SpinRead`): the first
         // announcement of a transfer is what its copies wait for.
-        let rd = SpinRead::new(rd, spin);
+        let mut rd = SpinRead::new(rd, spin);
+        if let Some(t) = self.transport.upgrade() {
+            rd = rd.alerted_by(&t.alert);
+        }
         let mut rd = BufReader::with_capacity(4 * MAX_MESSAGE, rd);
         // Chunks announced back to back are pulled as one batch: the reader collects the messages
         // already buffered (up to PULL_BATCH) before it enqueues. A pool that pushes from another

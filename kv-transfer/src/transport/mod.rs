@@ -286,4 +286,8 @@ pub trait Transport: Send + Sync {
     fn connect<'a>(&'a self, endpoint: &'a str) -> BoxFuture<'a, Result<Arc<dyn Link>>>;
     /// Closes every link and stops accepting. No inbox callback runs after it returns.
     fn shutdown(&self);
+    /// A transfer into this end was just expected: its first message may come soon, after a quiet
+    /// spell, and a backend whose readers sleep between messages may have them poll again (see
+    /// `spin_read::Alert`). Default: nothing.
+    fn expecting(&self) {}
 }

@@ -84,7 +84,7 @@ use crate::device::{Blocks, DeviceKv, PULL_SLOTS, PullEvent};
 use crate::error::{Error, Result};
 use crate::memory::{Iov, KvMemory, MemoryKind};
 use crate::transport::link_state::{Closed, LinkState};
-use crate::transport::spin_read::{SpinRead, spawn_reader};
+use crate::transport::spin_read::{Alert, SpinRead, spawn_reader};
 use crate::transport::{BoxFuture, Capabilities, Delivery, Inbox, Landed, Link, Payload, Transport};
 
 mod ffi;
@@ -196,6 +196,8 @@ pub struct NcclTransport {
     /// The device side's pull slots this transport's gathers and scatters use (a permit per move).
     slots: Arc<tokio::sync::Semaphore>,
     free_slots: Arc<Mutex<Vec<usize>>>,
+    /// Arms the receiving links' readers when a transfer is expected (see `spin_read::Alert`).
+    alert: Arc<Alert>,
     me: Weak<NcclTransport>,
 }
 
@@ -265,6 +267,7 @@ impl NcclTransport {
             staged: AtomicU64::new(0),
             slots: Arc::new(tokio::sync::Semaphore::new(PULL_SLOTS)),
             free_slots: Arc::new(Mutex::new((0..PULL_SLOTS).rev().collect())),
+            alert: Arc::default(),
             me: me.clone(),
         });
         let me = Arc::downgrade(&transport);
@@ -511,6 +514,10 @@ impl Transport for NcclTransport {
 
     fn endpoint(&self) -> String {
         self.endpoint.clone()
+    }
+
+    fn expecting(&self) {
+        self.alert.arm(super::spin_read::spin_window());
     }
 
     fn connect<'a>(&'a self, endpoint: &'a str) -> BoxFuture<'a, Result<Arc<dyn Link>>> {
@@ -1383,6 +1390,9 @@ impl Reader {
         // announcement is what its receive waits for.
         let idle = (!self.link.sender_side).then_some(IDLE);
         let mut rd = SpinRead::new(rd, spin).idle_after(idle);
+        if let Some(t) = self.transport.upgrade() {
+            rd = rd.alerted_by(&t.alert);
+        }
         // (A reader on a thread of its own times itself out: the runtime's timers fail there once
         // the runtime shuts down.)
         let idle = idle.filter(|_| !rd.on_own_thread());
