@@ -378,6 +378,12 @@ impl Raw {
         })
     }
 
+    /// Whether this reference is a copy, also timed by CUDA events around it (the copy engines'
+    /// own time; see `once`).
+    fn is_copy(&self) -> bool {
+        matches!(self, Raw::Device { .. } | Raw::Peer { .. })
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Raw::Socket(_) => "raw socket",
@@ -742,7 +748,7 @@ async fn bench(spec: ConnectorSpec, args: KvBenchArgs, devices: Devices, rx_rt: 
     };
     // A raw copy is timed as a transfer is, on the host from the call to its end; the copy
     // engines' time alone (CUDA events around the copy) is shown beside, with the ratio to it.
-    let engine_header = if matches!(raw, Raw::Device { .. } | Raw::Peer { .. }) || matches!(raw2, Some(Raw::Peer { .. })) {
+    let engine_header = if raw.is_copy() || raw2.as_ref().is_some_and(Raw::is_copy) {
         format!("  {:>17}  {:>8}", "copy engines GB/s", "ratio")
     } else {
         String::new()
