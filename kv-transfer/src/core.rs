@@ -1154,6 +1154,14 @@ impl Inbox for Core {
         self.rx_payload(token, result);
     }
 
+    fn granted_blocks(&self, link: &Arc<dyn Link>, id: u64) -> Option<Vec<u32>> {
+        // A transfer that failed keeps its grants and its claim until its fence is answered, so a
+        // sender's writes made before the fence reached it still find their blocks here.
+        let rx = lock(&self.rx);
+        let t = rx.transfers.get(&id).filter(|t| t.granted_to.contains(&link.id()))?;
+        t.claim.as_ref().map(|c| c.blocks().to_vec())
+    }
+
     fn on_link_closed(&self, link: &Arc<dyn Link>, reason: String) {
         let link_id = link.id();
         let err = Error::LinkFailed { peer: link.peer().to_string(), reason };
@@ -1360,7 +1368,7 @@ impl SendJob {
                 // blocks, not after a batch of messages), and the messages then follow at once.
                 let tickets = match granted && write_ahead_enabled() {
                     true => {
-                        let plan = crate::transport::WritePlan { layers: layer..ready, chunks: &chunk_ranges, src: self.claim.blocks(), dst: &desc.dst_blocks };
+                        let plan = crate::transport::WritePlan { id: desc.id, layers: layer..ready, chunks: &chunk_ranges, src: self.claim.blocks(), dst: &desc.dst_blocks };
                         let tickets = link.write_ahead(plan)?;
                         if tickets.as_ref().is_some_and(|t| t.len() != (ready - layer) as usize * chunk_ranges.len()) {
                             return Err(Error::Invalid("the link wrote ahead another number of chunks than planned".into()));
@@ -1881,16 +1889,24 @@ mod tests {
         handshake(&core, &lb);
         let recv = core.expect(vec![1, 2], 5, Duration::from_secs(30)).expect("expect");
         let id = recv.descriptor().id;
+        // Granted to both links (a transport posting their writes itself checks against these).
+        assert_eq!(core.granted_blocks(&la, id), Some(vec![1, 2]));
+        assert_eq!(core.granted_blocks(&lb, id), Some(vec![1, 2]));
+        assert_eq!(core.granted_blocks(&la, id ^ 1), None);
         core.rx_cancel(id);
         // Both links are fenced; the blocks stay claimed and the handle shows no verdict.
         a.sent(|f| f.contains(&Frame::Fence { id })).await;
         b.sent(|f| f.contains(&Frame::Fence { id })).await;
         assert!(!recv.progress().is_terminal());
         assert_eq!(core.memory().claimed_blocks(), 2);
+        // Writes a sender made before the fence reached it still find the blocks granted.
+        assert_eq!(core.granted_blocks(&la, id), Some(vec![1, 2]));
         // A `Stopped` from a link never fenced changes nothing; from one fenced, that one is done.
         let other = Direct::new(9);
         let lo: Arc<dyn Link> = Arc::clone(&other) as Arc<dyn Link>;
         handshake(&core, &lo);
+        // A link made after the transfer failed was never granted it.
+        assert_eq!(core.granted_blocks(&lo, id), None);
         assert!(matches!(core.on_message(&lo, &Frame::Stopped { id }.encode(), 0), Delivery::Discard));
         assert!(matches!(core.on_message(&la, &Frame::Stopped { id }.encode(), 0), Delivery::Discard));
         assert!(!recv.progress().is_terminal());
@@ -1898,6 +1914,8 @@ mod tests {
         assert!(matches!(core.on_message(&lb, &Frame::Stopped { id }.encode(), 0), Delivery::Discard));
         assert!(matches!(recv.progress().state, TransferState::Failed(Error::Cancelled { by: "receiver", .. })));
         assert_eq!(core.memory().claimed_blocks(), 0);
+        // Released: nothing is granted any more.
+        assert_eq!(core.granted_blocks(&la, id), None);
     }
 
     #[tokio::test]

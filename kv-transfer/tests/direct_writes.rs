@@ -90,6 +90,9 @@ impl Inbox for WrapInbox {
     fn on_link_closed(&self, link: &Arc<dyn Link>, reason: String) {
         self.inner.on_link_closed(&self.wrap(link), reason)
     }
+    fn granted_blocks(&self, link: &Arc<dyn Link>, id: u64) -> Option<Vec<u32>> {
+        self.inner.granted_blocks(&self.wrap(link), id)
+    }
 }
 
 struct WrapTransport {

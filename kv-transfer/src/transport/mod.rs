@@ -139,6 +139,8 @@ pub struct Dest {
 /// layers of `dst` (the receiver's), each layer cut in chunks `(first, count)` of both lists.
 #[derive(Debug, Clone)]
 pub struct WritePlan<'a> {
+    /// The transfer.
+    pub id: u64,
     /// The layers, in order.
     pub layers: std::ops::Range<u32>,
     /// Each layer's chunks: `(first, count)` positions in `src` and `dst`, in order.
@@ -272,6 +274,13 @@ pub trait Inbox: Send + Sync {
     fn on_payload(&self, link: &Arc<dyn Link>, token: u64, result: std::result::Result<Landed, String>);
     /// The link failed; no more callbacks for it follow.
     fn on_link_closed(&self, link: &Arc<dyn Link>, reason: String);
+    /// The destination blocks of transfer `id`, if this end granted it to `link` and still holds
+    /// them for it (see docs/rfc-kv-sender-writes.md): a transport that posts a sender's writes
+    /// itself (nccl's runs sent ahead) checks each against them before anything lands. Default:
+    /// none granted.
+    fn granted_blocks(&self, _link: &Arc<dyn Link>, _id: u64) -> Option<Vec<u32>> {
+        None
+    }
 }
 
 /// A backend: connects to endpoints and accepts links from peers.

@@ -34,6 +34,20 @@
 //! contiguous blocks (then only verifies them where they landed), else each at its place in a
 //! staging buffer, scattered as a staged batch. `TANDEM_KV_NCCL_STAGED=1` stages every batch.
 //!
+//! Control protocol v6 moves a transfer the receiver granted (see docs/rfc-kv-sender-writes.md)
+//! ahead of its messages: the sender offered the transfer's ready layers as a plan
+//! (`Link::write_ahead`) writes one `Ahead` message naming, per payload, the run of the receiver's
+//! blocks it lands in (every chunk a run at both ends; otherwise the plan is declined and batches
+//! go as above) and enqueues one `ncclSend` per run straight from its pool; the receiver checks
+//! that the transfer is granted to this link and every run lies in its blocks
+//! (`Inbox::granted_blocks`; otherwise the link closes before anything is posted), posts one
+//! `ncclRecv` per run straight into its blocks — one per lane first, then rounds of two per lane,
+//! an event behind each round — and answers `Landed` once they ran. The payloads' messages follow
+//! as batches naming their runs by ticket; the receiver checks each wanted payload's destination
+//! against its run and verifies it behind its round's event. `Link::drain` (a fenced transfer)
+//! waits for `Landed` of every run sent so far; `Link::quiesce` for the reader's end (the
+//! communicators aborted, every job waited for). `TANDEM_KV_NCCL_NO_AHEAD=1` turns it off.
+//!
 //! Endpoint: `nccl://HOST:PORT` (the control channel; NCCL's own bootstrap and data connections
 //! are NCCL's: `NCCL_SOCKET_IFNAME` and friends choose their interfaces).
 //!
@@ -53,7 +67,9 @@
 //!   operations on its buffer (every lane's, joined), an NCCL operation for the last gather
 //!   (scatter) of its buffer and for the last NCCL operations on it.
 //! - NCCL writes the staging buffers, and destination blocks only through a direct batch's
-//!   receives into the blocks the inbox gave its chunks; `on_payload` comes after the scatter (or,
+//!   receives into the blocks the inbox gave its chunks, or through receives of runs sent ahead
+//!   into blocks the receiver granted that transfer to the link and still holds for it (a batch
+//!   naming a run checks the inbox gave its chunk exactly those blocks, else the link closes); `on_payload` comes after the scatter (or,
 //!   received straight into the blocks, their verification) finished — a failure, after the
 //!   link's NCCL stream ran out, since a receive may still be writing the blocks — (after the
 //!   communicator was aborted, if the link closed meanwhile; should the work still not finish
@@ -65,7 +81,7 @@
 //!   aborted and its work waited for at most `DRAIN`), an accepted connection's handshake by 5 s
 //!   and its silence by 90 s; each control message is at most 64 KiB.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -169,6 +185,111 @@ fn direct_enabled() -> bool {
 fn one_group() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NCCL_ONE_GROUP").is_some())
+}
+
+/// Whether this end takes grants and moves granted transfers ahead of their messages
+/// ([`Control::Ahead`]; `TANDEM_KV_NCCL_NO_AHEAD=1` keeps every payload in announced batches, for
+/// comparing the two).
+fn ahead_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TANDEM_KV_NCCL_NO_AHEAD").is_none())
+}
+
+/// Runs a receiver keeps announced ahead and not yet claimed by a batch (older ones are dropped:
+/// their sender gave up on them, and their receives finish on their own).
+const AHEAD_KEPT: usize = 4 * wire::MAX_AHEAD;
+
+/// A chunk whose blocks are one run at both ends: `(source first block, destination first block,
+/// blocks)`.
+type ChunkRuns = (u32, u32, u32);
+
+/// A write plan's chunks as runs at both ends ([`ChunkRuns`]), or `None` when a chunk's blocks
+/// are not one run at either end (such transfers go in announced batches). `Err`: a chunk outside
+/// the plan's block lists.
+fn ahead_chunks(plan: &super::WritePlan<'_>) -> std::result::Result<Option<Vec<ChunkRuns>>, String> {
+    let run = |ids: &[u32]| ids.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
+    let mut out = Vec::with_capacity(plan.chunks.len());
+    for &(at, count) in plan.chunks {
+        let end = at.checked_add(count).ok_or("a chunk outside the transfer's blocks")?;
+        let (Some(src), Some(dst)) = (plan.src.get(at..end), plan.dst.get(at..end)) else {
+            return Err("a chunk outside the transfer's blocks".into());
+        };
+        let (Some(&s), Some(&d)) = (src.first(), dst.first()) else {
+            return Err("an empty chunk".into());
+        };
+        if !run(src) || !run(dst) {
+            return Ok(None);
+        }
+        out.push((s, d, count as u32));
+    }
+    Ok(Some(out))
+}
+
+/// How a receiver posts `n` runs announced ahead over `lanes` lanes: the first round one per lane
+/// (each lane's first bytes move after one NCCL call's host work, not after a group's), then
+/// rounds of two per lane, an event behind each round (the chunks of a round are verified once it
+/// landed, while the next ones move).
+fn ahead_rounds(n: usize, lanes: usize) -> Vec<std::ops::Range<usize>> {
+    let lanes = lanes.max(1);
+    let mut rounds = Vec::new();
+    let mut at = 0;
+    while at < n {
+        let len = if at == 0 { lanes } else { 2 * lanes };
+        rounds.push(at..(at + len).min(n));
+        at += len;
+    }
+    rounds
+}
+
+/// Writes `buf` on the socket now, without the runtime (a link's `write_ahead` is synchronous):
+/// `Ok(false)` if not a byte could go (the caller may do without), `Ok(true)` once all went.
+/// After a first byte the rest is waited for (a peer that reads nothing for a second fails it).
+fn write_now(wr: &OwnedWriteHalf, buf: &[u8]) -> std::io::Result<bool> {
+    let mut at = 0;
+    let since = Instant::now();
+    while at < buf.len() {
+        match wr.try_write(&buf[at..]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if at == 0 {
+                    return Ok(false);
+                }
+                if since.elapsed() > Duration::from_secs(1) {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                std::thread::yield_now();
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// `Ok` when every run `(layer, first block, blocks)` lies in `granted` (a transfer's destination
+/// block ids, the same in every layer), else which does not.
+fn runs_granted(runs: &[(u32, u32, u32)], granted: &[u32]) -> std::result::Result<(), String> {
+    let mut ids = granted.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    for &(layer, first, count) in runs {
+        let last = u64::from(first) + u64::from(count.max(1)) - 1;
+        // Sorted and without repeats: the run is granted when its first and last block are, `count` apart.
+        let inside = ids.binary_search(&first).is_ok_and(|i| ids.get(i + count.max(1) as usize - 1).is_some_and(|&l| u64::from(l) == last));
+        if !inside {
+            return Err(format!("layer {layer}, blocks {first}+{count} are not the transfer's"));
+        }
+    }
+    Ok(())
+}
+
+/// A run a receiver received ahead (see [`Control::Ahead`]), until a batch names it.
+struct AheadRun {
+    layer: u32,
+    first: u32,
+    count: u32,
+    /// Recorded behind the receives of its round.
+    done: Arc<CudaEvent>,
 }
 
 /// A chunk in a staging buffer: `(layer, block ids in the pool, first staging block)`.
@@ -342,6 +463,12 @@ impl NcclTransport {
             jobs: Mutex::new(Some(jobs_tx)),
             worker: Mutex::new(None),
             transport: self.me.clone(),
+            ahead: ahead_enabled() && theirs.version >= 6,
+            ahead_next: AtomicU64::new(0),
+            ahead_landed: watch::channel(0).0,
+            ahead_runs: Mutex::new(BTreeMap::new()),
+            reader_done: watch::channel(false).0,
+            rt: tokio::runtime::Handle::current(),
         });
         let worker = {
             let (link, device, inbox, free) =
@@ -735,6 +862,11 @@ impl LinkGpu {
         }
     }
 
+    /// The link's lanes (communicators; 0 once aborted).
+    fn lane_count(&self) -> usize {
+        lock(&self.comms).len()
+    }
+
     /// Lane `l`'s stream (`net` for lane 0).
     fn lane_stream(&self, l: usize) -> &Arc<CudaStream> {
         match l {
@@ -966,6 +1098,9 @@ enum Job {
     /// Receiver: chunks that fail (reported in their turn; with `after`, once that link's NCCL
     /// stream ran out: a direct batch's receives may still be writing their blocks).
     Failed { tokens: Vec<u64>, reason: String, after: Option<Arc<LinkGpu>> },
+    /// Receiver: runs received ahead, whose landing (`done`) the sender hears of
+    /// ([`Control::Landed`] up to ticket `upto`) without holding up the jobs behind.
+    AheadLanded { done: Arc<CudaEvent>, upto: u64 },
 }
 
 /// A link's worker thread: waits for each job's device work in order and reports it (see [`Job`]);
@@ -975,8 +1110,31 @@ fn link_worker(jobs: std::sync::mpsc::Receiver<Job>, link: &Arc<NcclLink>, devic
     let dyn_link: Arc<dyn Link> = Arc::clone(link) as Arc<dyn Link>;
     // When the link was seen closed (its communicator aborted then): bounds every later wait.
     let mut closed_at: Option<Instant> = None;
-    while let Ok(job) = jobs.recv() {
+    // Runs received ahead whose landing the sender has not heard of yet, in order.
+    let mut landing: VecDeque<(Arc<CudaEvent>, u64)> = VecDeque::new();
+    loop {
+        while let Some((done, upto)) = landing.front() {
+            // (An event that fails belongs to aborted work: nothing of it lands any more.)
+            if !done.try_is_complete().unwrap_or(true) {
+                break;
+            }
+            link.reply_landed(*upto);
+            landing.pop_front();
+        }
+        let job = if landing.is_empty() {
+            match jobs.recv() {
+                Ok(job) => job,
+                Err(_) => break,
+            }
+        } else {
+            match jobs.recv_timeout(Duration::from_micros(50)) {
+                Ok(job) => job,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        };
         match job {
+            Job::AheadLanded { done, upto } => landing.push_back((done, upto)),
             Job::Gathered { pull, slot, .. } => {
                 if let Some(pull) = pull {
                     match link.wait_for(&pull, device, &mut closed_at) {
@@ -1048,6 +1206,18 @@ struct NcclLink {
     /// The worker thread, joined when the reader ends (before `on_link_closed`).
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     transport: Weak<NcclTransport>,
+    /// Whether the link takes grants and moves granted transfers ahead of their messages (both
+    /// ends speak control protocol 6, and this one did not turn it off).
+    ahead: bool,
+    /// Sender: the next run's ticket (runs announced ahead so far).
+    ahead_next: AtomicU64,
+    /// Sender: tickets below this landed at the receiver ([`Control::Landed`]).
+    ahead_landed: watch::Sender<u64>,
+    /// Receiver: runs received ahead that no batch named yet, by ticket.
+    ahead_runs: Mutex<BTreeMap<u64, AheadRun>>,
+    /// Set once the reader ended: the communicator aborted and every job waited for.
+    reader_done: watch::Sender<bool>,
+    rt: tokio::runtime::Handle,
 }
 
 impl NcclLink {
@@ -1077,6 +1247,20 @@ impl NcclLink {
         if let GpuState::Ready(gpu) = was {
             retire(gpu);
         }
+    }
+
+    /// Receiver: tells the sender that runs below ticket `upto` landed (from the worker thread).
+    fn reply_landed(self: &Arc<Self>, upto: u64) {
+        let link = Arc::clone(self);
+        self.rt.spawn(async move {
+            let mut guard = link.writer.lock().await;
+            if let Some(wr) = guard.as_mut() {
+                let mut torn = link.state.torn_guard();
+                if wire::write(wr, &Control::Landed { upto }).await.is_ok() {
+                    torn.disarm();
+                }
+            }
+        });
     }
 
     /// Hands a job to the worker thread.
@@ -1170,7 +1354,32 @@ impl NcclLink {
         // before the receiver can post its receives) — alone first if that batch would wait
         // (see `flush_ahead`) — or at the end.
         let mut ahead: Vec<u8> = Vec::new();
+        // Payloads already sent ahead (`Link::write_ahead`): announced in batches cut as the
+        // receiver posted their runs (see `ahead_rounds`), so each batch's verification can start
+        // once its round landed.
+        let mut written: Vec<(Vec<u8>, Payload)> = Vec::new();
+        let mut written_seen = 0usize;
+        let lanes = match &*self.gpu.borrow() {
+            GpuState::Ready(gpu) => gpu.lane_count().max(1),
+            _ => 1,
+        };
         for (header, payload) in messages {
+            if payload.dest().is_some_and(|d| d.written.is_some()) {
+                if !group.is_empty() {
+                    self.send_group_after(wr, &mut ahead, std::mem::take(&mut group)).await?;
+                    bytes = 0;
+                }
+                written.push((header, payload));
+                written_seen += 1;
+                let round_end = written_seen == lanes || (written_seen > lanes && (written_seen - lanes).is_multiple_of(2 * lanes));
+                if round_end || written.len() == wire::MAX_BATCH {
+                    self.send_written(wr, &mut ahead, std::mem::take(&mut written)).await?;
+                }
+                continue;
+            }
+            if !written.is_empty() {
+                self.send_written(wr, &mut ahead, std::mem::take(&mut written)).await?;
+            }
             let full = !group.is_empty() && (payload.is_empty() || bytes + payload.len() > capacity || group.len() == wire::MAX_BATCH);
             if full {
                 self.send_group_after(wr, &mut ahead, std::mem::take(&mut group)).await?;
@@ -1183,10 +1392,43 @@ impl NcclLink {
                 group.push((header, payload));
             }
         }
+        if !written.is_empty() {
+            self.send_written(wr, &mut ahead, written).await?;
+        }
         if !group.is_empty() {
             self.send_group_after(wr, &mut ahead, group).await?;
         }
         self.flush_ahead(wr, &mut ahead).await
+    }
+
+    /// Announces payloads already sent ahead (each names its run by ticket, [`Moved::Ahead`]) and
+    /// holds them until those sends ran; `ahead` (encoded messages) goes first in the same write.
+    async fn send_written(&self, wr: &mut OwnedWriteHalf, ahead: &mut Vec<u8>, group: Vec<(Vec<u8>, Payload)>) -> Result<()> {
+        let Some(t) = self.transport.upgrade() else { return Err(Error::Shutdown) };
+        let GpuState::Ready(gpu) = self.gpu.borrow().clone() else {
+            return Err(self.link_err("payloads sent ahead without a communicator"));
+        };
+        let corrupt = t.pick_corrupt(group.len()).map(|i| i as u32);
+        let mut items = Vec::with_capacity(group.len());
+        let mut tickets = Vec::with_capacity(group.len());
+        let mut payloads = Vec::with_capacity(group.len());
+        for (header, payload) in group {
+            let Some(ticket) = payload.dest().and_then(|d| d.written) else {
+                return Err(Error::Invalid("a payload not sent ahead among those sent ahead".into()));
+            };
+            items.push((payload.len(), header));
+            tickets.push(ticket);
+            payloads.push(payload);
+        }
+        let n = items.len();
+        Self::announce(wr, ahead, &Control::Batch { items, moved: Moved::Ahead { tickets, corrupt } })
+            .await
+            .map_err(|e| self.link_err(e.to_string()))?;
+        // Recorded behind every send enqueued so far, those of these payloads' runs among them.
+        let done = gpu.net_event().ok();
+        self.submit(Job::Sent { done, _hold: payloads, gpu });
+        super::kv_trace!("nccl batch of {n} sent ahead announced");
+        Ok(())
     }
 
     /// Writes `ahead` (encoded messages) now, if any: before anything that may wait (the
@@ -1374,6 +1616,102 @@ impl Link for NcclLink {
     fn close(&self) {
         self.state.close();
     }
+
+    fn writes_directly(&self) -> bool {
+        self.ahead
+    }
+
+    fn write_ahead(&self, plan: super::WritePlan<'_>) -> Result<Option<Vec<u64>>> {
+        if !self.ahead || !self.sender_side {
+            return Ok(None);
+        }
+        if plan.layers.is_empty() || plan.chunks.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        // A link whose communicator is still being made sends its first transfer in batches.
+        let GpuState::Ready(gpu) = self.gpu.borrow().clone() else { return Ok(None) };
+        let Some(t) = self.transport.upgrade() else { return Err(Error::Shutdown) };
+        // The writer lock, as `send_messages` holds it across a batch's announcement and sends:
+        // the runs' operations then come in the same order on both ends.
+        let Ok(guard) = self.writer.try_lock() else { return Ok(None) };
+        let Some(wr) = guard.as_ref() else { return Err(self.link_err("link closed")) };
+        let memory = &t.memory;
+        let bad = |why: String| Error::Invalid(format!("nccl write ahead: {why}"));
+        if plan.layers.end > memory.geometry().num_layers() {
+            return Err(bad("a layer outside this pool".into()));
+        }
+        let Some(chunks) = ahead_chunks(&plan).map_err(bad)? else { return Ok(None) };
+        if chunks.iter().any(|&(s, _, c)| u64::from(s) + u64::from(c) > u64::from(memory.num_blocks())) {
+            return Err(bad("a source block outside this pool".into()));
+        }
+        let n = plan.layers.len() * chunks.len();
+        if n > wire::MAX_AHEAD {
+            return Ok(None);
+        }
+        let bb = memory.geometry().block_bytes() as u64;
+        let mut runs = Vec::with_capacity(n);
+        let mut ops = Vec::with_capacity(n);
+        for l in plan.layers.clone() {
+            let base = memory.layer_base(l) as u64;
+            for &(src, dst, count) in &chunks {
+                runs.push((l, dst, count));
+                ops.push((base + u64::from(src) * bb, count as usize * bb as usize));
+            }
+        }
+        // (Changed only under the writer lock.)
+        let first = self.ahead_next.load(Ordering::Acquire);
+        let msg = Control::Ahead { id: plan.id, first, runs }.encode();
+        super::kv_trace!("nccl ahead of {n} runs: planned");
+        match write_now(wr, &msg) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(e) => {
+                self.state.fail(format!("writing runs announced ahead: {e}"));
+                return Err(self.link_err(e.to_string()));
+            }
+        }
+        self.ahead_next.store(first + n as u64, Ordering::Release);
+        super::kv_trace!("nccl ahead of {n} runs: announced");
+        // The receiver posts these runs' receives now: the sends must follow, or the link closes.
+        let head = n.min(gpu.lane_count().max(1));
+        // The first run of each lane goes alone (its bytes move after one NCCL call per side), then
+        // the rest.
+        let (lead, rest) = ops.split_at(head);
+        // SAFETY: each range is whole blocks of one layer of this connector's pool (checked above),
+        // which the caller holds claimed for the transfer (`Link::write_ahead`) until the messages
+        // it builds next hold them, until the sends ran (`send_written`); the operations are
+        // matched one for one by the receives the receiver posts on reading the runs.
+        let sent = unsafe { [lead, rest].into_iter().filter(|o| !o.is_empty()).try_for_each(|o| gpu.enqueue_p2p_all(Dir::Send, 0, o)) }
+            .and_then(|()| gpu.issued().and_then(|ok| if ok { Ok(()) } else { Err("the communicator is not ready".into()) }));
+        if let Err(e) = sent {
+            self.state.fail(format!("sending runs ahead through NCCL: {e}"));
+            return Err(self.link_err(e));
+        }
+        super::kv_trace!("nccl ahead of {n} runs: enqueued");
+        Ok(Some((first..first + n as u64).collect()))
+    }
+
+    fn drain(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            // Every run sent ahead so far landed at the receiver (then nothing of ours writes its
+            // blocks any more); without the link, its communicator is aborted.
+            let want = self.ahead_next.load(Ordering::Acquire);
+            let mut landed = self.ahead_landed.subscribe();
+            let mut closed = self.closing.0.clone();
+            tokio::select! {
+                r = landed.wait_for(|&l| l >= want) => r.map(|_| ()).map_err(|_| self.link_err("link closed")),
+                _ = closed.wait_for(|c| *c != Closed::Open) => Err(self.link_err("link closed")),
+            }
+        })
+    }
+
+    fn quiesce(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            // The reader ends after aborting the communicator and waiting for the link's jobs.
+            let mut done = self.reader_done.subscribe();
+            let _ = done.wait_for(|d| *d).await;
+        })
+    }
 }
 
 /// The reading half of one link, run as a task.
@@ -1428,6 +1766,7 @@ impl Reader {
         if let Some(worker) = worker {
             let _ = tokio::task::spawn_blocking(move || worker.join()).await;
         }
+        self.link.reader_done.send_replace(true);
         if let Some(t) = self.transport.upgrade() {
             lock(&t.links).remove(&self.link.id);
         }
@@ -1487,6 +1826,27 @@ impl Reader {
                     self.link.submit(Job::Failed { tokens, reason: format!("the payload was not written: {reason}"), after: Some(Arc::clone(&gpu)) });
                 })
             }
+            Control::Landed { upto } if sender_side => {
+                self.link.ahead_landed.send_if_modified(|l| {
+                    let more = upto > *l;
+                    *l = (*l).max(upto);
+                    more
+                });
+                Ok(())
+            }
+            Control::Ahead { .. } if sender_side => Err("runs sent ahead from the accepting side".into()),
+            Control::Ahead { id, first, runs } => {
+                // Only into blocks this end granted that transfer to this link and still holds for
+                // it: a sender that names others closes the link before anything lands.
+                let t = self.transport.upgrade().ok_or("the transport is gone")?;
+                let granted = t.inbox.granted_blocks(link, id).ok_or_else(|| format!("runs sent ahead for transfer {id:x}, which this end did not grant to the link"))?;
+                runs_granted(&runs, &granted).map_err(|e| format!("runs sent ahead for transfer {id:x}: {e}"))?;
+                let gpu = tokio::select! {
+                    g = self.link.ready_gpu() => g?,
+                    _ = closed.wait_for(|c| *c != Closed::Open) => return Err("link closed".into()),
+                };
+                self.receive_runs(&gpu, first, runs).await
+            }
             other => Err(format!("unexpected nccl control message {other:?}")),
         }
     }
@@ -1506,6 +1866,9 @@ impl Reader {
         wanted: Vec<(usize, u64, Vec<Iov>)>,
         moved: Moved,
     ) -> std::result::Result<(), String> {
+        if let Moved::Ahead { tickets, corrupt } = &moved {
+            return self.receive_ahead(gpu, lens, wanted, tickets, *corrupt).await;
+        }
         let link = &self.link;
         let t = self.transport.upgrade().ok_or("the transport is gone")?;
         let bb = t.memory.geometry().block_bytes() as u64;
@@ -1550,7 +1913,7 @@ impl Reader {
             }
             Moved::Staged => None,
             // (The test hook: flip a byte of that payload once landed, if it is wanted.)
-            Moved::Direct { corrupt } => corrupt.and_then(|c| wanted.iter().position(|(i, _, _)| *i == c as usize)),
+            Moved::Direct { corrupt } | Moved::Ahead { corrupt, .. } => corrupt.and_then(|c| wanted.iter().position(|(i, _, _)| *i == c as usize)),
         };
         if chunks.is_empty() {
             return Ok(()); // nothing wanted: the bytes land in staging and stay there
@@ -1577,6 +1940,113 @@ impl Reader {
     }
 }
 
+impl Reader {
+    /// Posts a receive straight into each run announced ahead (tickets `first`, ...), round by
+    /// round with an event behind each, and keeps the runs for the batches that name them.
+    /// The runs are blocks of a transfer this end granted the sender (the sender writes only
+    /// those, as a cuda-ipc sender writes granted blocks itself); each is checked to lie in this
+    /// pool, and what lands is verified against the sender's checksums once a batch names it.
+    /// `Err`: the link must close.
+    async fn receive_runs(&self, gpu: &Arc<LinkGpu>, first: u64, runs: Vec<(u32, u32, u32)>) -> std::result::Result<(), String> {
+        let t = self.transport.upgrade().ok_or("the transport is gone")?;
+        let memory = &t.memory;
+        let bb = memory.geometry().block_bytes() as u64;
+        let (layers, blocks) = (memory.geometry().num_layers(), memory.num_blocks());
+        let mut ops = Vec::with_capacity(runs.len());
+        for &(layer, block, count) in &runs {
+            if layer >= layers || u64::from(block) + u64::from(count) > u64::from(blocks) {
+                return Err(format!("a run sent ahead outside this pool: layer {layer}, blocks {block}+{count}"));
+            }
+            ops.push((memory.layer_base(layer) as u64 + u64::from(block) * bb, count as usize * bb as usize));
+        }
+        super::kv_trace!("nccl ahead of {} runs read", runs.len());
+        let mut events = Vec::new();
+        for round in ahead_rounds(ops.len(), gpu.lane_count()) {
+            // SAFETY: each range is whole blocks of one layer of this pool (checked above), of a
+            // transfer granted to this link's sender, whose blocks stay claimed until their batch
+            // is reported or, for a transfer that failed, until the sender confirmed its fence
+            // (after these receives landed: `Control::Landed`) or the link's quiesce.
+            unsafe { gpu.enqueue_p2p_all(Dir::Recv, 0, &ops[round.clone()]) }.map_err(|e| format!("receiving runs sent ahead: {e}"))?;
+            self.link.until_issued(gpu).await.map_err(|e| format!("receiving runs sent ahead: {e}"))?;
+            let done = Arc::new(gpu.net_event()?);
+            events.push((round, done));
+        }
+        super::kv_trace!("nccl ahead of {} runs: receives posted", runs.len());
+        let last = events.last().map(|(_, e)| Arc::clone(e));
+        {
+            let mut kept = lock(&self.link.ahead_runs);
+            for (round, done) in &events {
+                for i in round.clone() {
+                    let (layer, first_block, count) = runs[i];
+                    kept.insert(first + i as u64, AheadRun { layer, first: first_block, count, done: Arc::clone(done) });
+                }
+            }
+            while kept.len() > AHEAD_KEPT {
+                kept.pop_first();
+            }
+        }
+        if let Some(done) = last {
+            self.link.submit(Job::AheadLanded { done, upto: first + runs.len() as u64 });
+        }
+        Ok(())
+    }
+
+    /// A batch of payloads sent ahead: takes each one's run (wanted or not), checks that each
+    /// wanted payload's destination is its run's blocks, and verifies them behind the rounds' events.
+    async fn receive_ahead(
+        &self,
+        gpu: &Arc<LinkGpu>,
+        lens: &[u64],
+        wanted: Vec<(usize, u64, Vec<Iov>)>,
+        tickets: &[u64],
+        corrupt: Option<u32>,
+    ) -> std::result::Result<(), String> {
+        let link = &self.link;
+        let t = self.transport.upgrade().ok_or("the transport is gone")?;
+        let bb = t.memory.geometry().block_bytes() as u64;
+        let runs: Vec<AheadRun> = {
+            let mut kept = lock(&link.ahead_runs);
+            tickets.iter().map(|k| kept.remove(k).ok_or_else(|| format!("no run was received ahead for ticket {k}"))).collect::<std::result::Result<_, _>>()?
+        };
+        if runs.iter().zip(lens).any(|(r, &len)| u64::from(r.count) * bb != len) {
+            return Err("a payload sent ahead is not as long as its run".into());
+        }
+        let mut chunks: Vec<(u32, Vec<u32>)> = Vec::with_capacity(wanted.len());
+        // The rounds' events are in stream order: the latest wanted run's covers the others'.
+        let mut after: Option<(u64, &AheadRun)> = None;
+        for (i, _, iovs) in &wanted {
+            let r = &runs[*i];
+            let located = t.memory.blocks_of(iovs);
+            let Some((layer, ids)) = located.filter(|(layer, ids)| {
+                *layer == r.layer && ids.len() == r.count as usize && ids.iter().enumerate().all(|(k, &id)| u64::from(id) == u64::from(r.first) + k as u64)
+            }) else {
+                return Err("a payload sent ahead landed in other blocks than the receiver gives it".into());
+            };
+            chunks.push((layer, ids));
+            if after.is_none_or(|(k, _)| tickets[*i] > k) {
+                after = Some((tickets[*i], r));
+            }
+        }
+        let tokens: Vec<u64> = wanted.iter().map(|(_, token, _)| *token).collect();
+        let Some((_, after)) = after else { return Ok(()) };
+        let corrupt = corrupt.and_then(|c| wanted.iter().position(|(i, _, _)| *i == c as usize));
+        let (slot, permit) = t.slot(&link.closing).await?;
+        let dsts: Vec<Blocks<'_>> = chunks
+            .iter()
+            .map(|(layer, ids)| Blocks { base: t.memory.layer_base(*layer) as u64, num_blocks: t.memory.num_blocks(), ids })
+            .collect();
+        match t.device.verify_on(&gpu.copy, &after.done, slot, &dsts, bb as usize, corrupt) {
+            Ok(pull) => link.submit(Job::Scattered { pull, slot, _permit: permit, tokens, _gpu: Arc::clone(gpu) }),
+            Err(e) => {
+                lock(&t.free_slots).push(slot);
+                link.submit(Job::Failed { tokens, reason: format!("landing chunks: {e}"), after: Some(Arc::clone(gpu)) });
+            }
+        }
+        super::kv_trace!("nccl batch of {} sent ahead: verification enqueued", lens.len());
+        Ok(())
+    }
+}
+
 /// [`NcclTransport::direct_plan`] over `memory`.
 fn direct_plan(memory: &KvMemory, payloads: &[Payload]) -> Option<Vec<DirectPayload>> {
     let bb = memory.geometry().block_bytes() as u64;
@@ -1599,6 +2069,8 @@ fn direct_plan(memory: &KvMemory, payloads: &[Payload]) -> Option<Vec<DirectPayl
 /// destination block ids)`.
 fn receive_plan(lens: &[u64], moved: &Moved, staging: u64, into: &[(usize, u64, &[u32])], block_bytes: u64) -> (Vec<(u64, usize)>, bool) {
     match moved {
+        // (No operation: the payloads came through runs sent ahead; `receive` never plans these.)
+        Moved::Ahead { .. } => (Vec::new(), false),
         Moved::Staged | Moved::StageFailed(_) => (vec![(staging, lens.iter().sum::<u64>() as usize)], false),
         Moved::Direct { .. } => {
             // Each payload at its place in staging (back to back), unless every wanted payload's
@@ -1710,6 +2182,55 @@ mod tests {
             }),
             1..8,
         )
+    }
+
+    #[test]
+    fn a_plan_goes_ahead_only_as_runs_at_both_ends() {
+        let plan = |src: &'static [u32], dst: &'static [u32], chunks: &'static [(usize, usize)]| super::super::WritePlan { id: 1, layers: 0..2, chunks, src, dst };
+        // Two chunks of contiguous blocks at both ends: their first blocks and lengths.
+        assert_eq!(ahead_chunks(&plan(&[4, 5, 6, 9], &[20, 21, 22, 30], &[(0, 3), (3, 1)])).unwrap(), Some(vec![(4, 20, 3), (9, 30, 1)]));
+        // A gap at either end: not ahead (announced batches take it).
+        assert_eq!(ahead_chunks(&plan(&[4, 6], &[20, 21], &[(0, 2)])).unwrap(), None);
+        assert_eq!(ahead_chunks(&plan(&[4, 5], &[21, 20], &[(0, 2)])).unwrap(), None);
+        // A chunk outside the lists, or empty, is the caller's error.
+        assert!(ahead_chunks(&plan(&[4, 5], &[20, 21], &[(1, 2)])).is_err());
+        assert!(ahead_chunks(&plan(&[4, 5], &[20, 21], &[(0, 0)])).is_err());
+        assert!(ahead_chunks(&plan(&[4, 5], &[20, 21], &[(usize::MAX, 2)])).is_err());
+    }
+
+    #[test]
+    fn runs_ahead_must_lie_in_the_granted_blocks() {
+        let granted = [9, 3, 4, 5, 20, 21, 22, 23, 6];
+        assert!(runs_granted(&[(0, 3, 4), (31, 20, 4), (5, 9, 1), (2, 5, 2)], &granted).is_ok());
+        // One block past a run, one before, a gap inside, a block of no run at all.
+        assert!(runs_granted(&[(0, 3, 5)], &granted).unwrap_err().contains("blocks 3+5"));
+        assert!(runs_granted(&[(0, 19, 2)], &granted).is_err());
+        assert!(runs_granted(&[(1, 6, 4)], &granted).is_err());
+        assert!(runs_granted(&[(0, 3, 4), (0, 100, 1)], &granted).is_err());
+        // Nothing granted, and runs at the end of the id space.
+        assert!(runs_granted(&[(0, 0, 1)], &[]).is_err());
+        assert!(runs_granted(&[(0, u32::MAX, 1)], &[u32::MAX]).is_ok());
+        assert!(runs_granted(&[(0, u32::MAX, 2)], &[u32::MAX]).is_err());
+        // Repeated ids in the grant do not stretch a run.
+        assert!(runs_granted(&[(0, 3, 3)], &[3, 3, 3]).is_err());
+    }
+
+    #[test]
+    fn runs_ahead_are_posted_one_per_lane_first_then_two_per_lane() {
+        assert_eq!(ahead_rounds(32, 4), vec![0..4, 4..12, 12..20, 20..28, 28..32]);
+        assert_eq!(ahead_rounds(3, 4), vec![0..3]);
+        assert_eq!(ahead_rounds(0, 4), vec![]);
+        assert_eq!(ahead_rounds(5, 1), vec![0..1, 1..3, 3..5]);
+        // No lanes (an aborted link) counts as one.
+        assert_eq!(ahead_rounds(2, 0), vec![0..1, 1..2]);
+        // Every run in exactly one round, in order.
+        for n in 0..70 {
+            for lanes in 1..9 {
+                let r = ahead_rounds(n, lanes);
+                assert_eq!(r.iter().map(|x| x.len()).sum::<usize>(), n);
+                assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+            }
+        }
     }
 
     #[test]

@@ -8,8 +8,10 @@ use super::ffi::{UNIQUE_ID_BYTES, UniqueId, version_text};
 
 /// Version of this control protocol (4: batches may move straight between the pools, one NCCL
 /// operation per payload, [`Moved::Direct`]; 5: each end states its [`Side::lanes`], and a link's
-/// operations go round-robin over that many communicators).
-pub(crate) const VERSION: u16 = 5;
+/// operations go round-robin over that many communicators; 6: a sender granted a transfer may
+/// send its layers ahead of their messages, [`Control::Ahead`], which the receiver receives
+/// straight into the named blocks and confirms with [`Control::Landed`]).
+pub(crate) const VERSION: u16 = 6;
 /// Largest control message body.
 pub(crate) const MAX_MESSAGE: usize = 64 * 1024;
 /// Longest reason text carried (longer ones are cut at a character boundary).
@@ -21,8 +23,12 @@ const K_REFUSE: u8 = 3;
 const K_MSG: u8 = 4;
 // (5 and 6 were protocol 2's go-ahead and send report.)
 const K_BATCH: u8 = 7;
+const K_AHEAD: u8 = 8;
+const K_LANDED: u8 = 9;
 /// Most payload messages in one [`Control::Batch`].
 pub(crate) const MAX_BATCH: usize = 32;
+/// Most operations one [`Control::Ahead`] announces.
+pub(crate) const MAX_AHEAD: usize = 4096;
 
 /// What each end states at connect: protocol and NCCL versions, its GPU, its pool's layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +151,26 @@ pub(crate) enum Control {
         /// How the payloads travel.
         moved: Moved,
     },
+    /// Sender → receiver: one NCCL operation per run, in order, already enqueued when this is
+    /// written — each run `(layer, first block, blocks)` of the receiver's pool, contiguous, for
+    /// a transfer the receiver granted (see docs/rfc-kv-sender-writes.md) — whose messages follow
+    /// as [`Moved::Ahead`] batches naming the runs by ticket (`first`, `first + 1`, ...). The
+    /// receiver posts a receive straight into each run's blocks.
+    Ahead {
+        /// The transfer whose blocks the runs are: the receiver posts nothing unless it granted
+        /// that transfer to this link and every run lies in its blocks.
+        id: u64,
+        /// Ticket of the first run.
+        first: u64,
+        /// `(layer, first block, blocks)` of each run.
+        runs: Vec<(u32, u32, u32)>,
+    },
+    /// Receiver → sender: the receives of every run announced ahead with a ticket below `upto`
+    /// finished (nothing of them lands any more).
+    Landed {
+        /// One past the last ticket landed.
+        upto: u64,
+    },
 }
 
 /// How a [`Control::Batch`]'s payloads travel through NCCL.
@@ -160,6 +186,14 @@ pub(crate) enum Moved {
     /// too. `corrupt`: the integrity test hook asks the receiver to flip a byte of this payload
     /// once it landed, before it is verified.
     Direct {
+        /// Index of the payload to corrupt.
+        corrupt: Option<u32>,
+    },
+    /// No NCCL operation: each payload came through the run of a [`Control::Ahead`] its ticket
+    /// names (one ticket per payload, in order). `corrupt` as for [`Moved::Direct`].
+    Ahead {
+        /// Each payload's ticket.
+        tickets: Vec<u64>,
         /// Index of the payload to corrupt.
         corrupt: Option<u32>,
     },
@@ -181,6 +215,8 @@ impl Control {
             Control::Refuse(_) => K_REFUSE,
             Control::Msg { .. } => K_MSG,
             Control::Batch { .. } => K_BATCH,
+            Control::Ahead { .. } => K_AHEAD,
+            Control::Landed { .. } => K_LANDED,
         }
     }
 
@@ -218,8 +254,26 @@ impl Control {
                         body.push(2);
                         body.extend_from_slice(&corrupt.unwrap_or(u32::MAX).to_le_bytes());
                     }
+                    Moved::Ahead { tickets, corrupt } => {
+                        body.push(3);
+                        body.extend_from_slice(&corrupt.unwrap_or(u32::MAX).to_le_bytes());
+                        for t in tickets {
+                            body.extend_from_slice(&t.to_le_bytes());
+                        }
+                    }
                 }
             }
+            Control::Ahead { id, first, runs } => {
+                body.extend_from_slice(&id.to_le_bytes());
+                body.extend_from_slice(&first.to_le_bytes());
+                body.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+                for (layer, block, count) in runs {
+                    body.extend_from_slice(&layer.to_le_bytes());
+                    body.extend_from_slice(&block.to_le_bytes());
+                    body.extend_from_slice(&count.to_le_bytes());
+                }
+            }
+            Control::Landed { upto } => body.extend_from_slice(&upto.to_le_bytes()),
         }
         let mut out = Vec::with_capacity(5 + body.len());
         out.push(self.kind());
@@ -269,18 +323,35 @@ impl Control {
                 let moved = match r.u8()? {
                     1 => Moved::Staged,
                     0 => return Ok(Control::Batch { items, moved: Moved::StageFailed(text(r.buf)) }),
-                    2 => {
-                        let corrupt = match r.u32()? {
-                            u32::MAX => None,
-                            i if (i as usize) < items.len() => Some(i),
-                            i => return Err(format!("payload {i} of a batch of {} to corrupt", items.len())),
-                        };
-                        Moved::Direct { corrupt }
+                    2 => Moved::Direct { corrupt: corrupt_index(r.u32()?, items.len())? },
+                    3 => {
+                        let corrupt = corrupt_index(r.u32()?, items.len())?;
+                        let tickets = (0..items.len()).map(|_| r.u64()).collect::<Result<Vec<u64>, String>>()?;
+                        Moved::Ahead { tickets, corrupt }
                     }
                     b => return Err(format!("a staging verdict of {b}")),
                 };
                 Control::Batch { items, moved }
             }
+            K_AHEAD => {
+                let id = r.u64()?;
+                let first = r.u64()?;
+                let n = r.u32()? as usize;
+                if n == 0 || n > MAX_AHEAD {
+                    return Err(format!("{n} operations announced ahead"));
+                }
+                let runs = (0..n)
+                    .map(|_| Ok((r.u32()?, r.u32()?, r.u32()?)))
+                    .collect::<Result<Vec<(u32, u32, u32)>, String>>()?;
+                if runs.iter().any(|&(_, _, count)| count == 0) {
+                    return Err("an empty run announced ahead".into());
+                }
+                if first.checked_add(n as u64).is_none() {
+                    return Err("tickets announced ahead overflow".into());
+                }
+                Control::Ahead { id, first, runs }
+            }
+            K_LANDED => Control::Landed { upto: r.u64()? },
             k => return Err(format!("unknown nccl control message {k}")),
         };
         if !r.buf.is_empty() {
@@ -290,6 +361,15 @@ impl Control {
             ));
         }
         Ok(msg)
+    }
+}
+
+/// The payload a batch asks to corrupt (`u32::MAX`: none), if it is one of its `n`.
+fn corrupt_index(i: u32, n: usize) -> Result<Option<u32>, String> {
+    match i {
+        u32::MAX => Ok(None),
+        i if (i as usize) < n => Ok(Some(i)),
+        i => Err(format!("payload {i} of a batch of {n} to corrupt")),
     }
 }
 
@@ -384,6 +464,12 @@ mod tests {
             Control::Batch { items: vec![(8, vec![2; 3])], moved: Moved::StageFailed("the payload is not whole blocks".into()) },
             Control::Batch { items: vec![(4096, vec![]), (1 << 20, vec![9; 64])], moved: Moved::Direct { corrupt: None } },
             Control::Batch { items: vec![(4096, vec![]), (1 << 20, vec![9; 64])], moved: Moved::Direct { corrupt: Some(1) } },
+            Control::Batch { items: vec![(4096, vec![1]), (1 << 20, vec![9; 64])], moved: Moved::Ahead { tickets: vec![7, 8], corrupt: None } },
+            Control::Batch { items: vec![(1 << 20, vec![9; 64])], moved: Moved::Ahead { tickets: vec![u64::MAX - 1], corrupt: Some(0) } },
+            Control::Ahead { id: 3, first: 0, runs: vec![(0, 16, 256)] },
+            Control::Ahead { id: u64::MAX, first: 1 << 40, runs: (0..32).map(|l| (l, 4096, 16)).collect() },
+            Control::Landed { upto: 0 },
+            Control::Landed { upto: 12345 },
         ]
     }
 
@@ -461,6 +547,36 @@ mod tests {
         let mut short = direct(3, u32::MAX);
         short.truncate(short.len() - 1);
         assert!(Control::decode(K_BATCH, &short[5..]).is_err());
+    }
+
+    #[test]
+    fn runs_announced_ahead_are_bounded_and_name_their_payloads() {
+        let ahead = |n: usize| Control::Ahead { id: 9, first: 5, runs: (0..n as u32).map(|l| (l, 0, 4)).collect() }.encode();
+        let full = ahead(MAX_AHEAD);
+        assert!(full.len() - 5 <= MAX_MESSAGE);
+        assert!(Control::decode(full[0], &full[5..]).is_ok());
+        let over = ahead(MAX_AHEAD + 1);
+        assert!(Control::decode(over[0], &over[5..]).unwrap_err().contains("ahead"));
+        let none = ahead(0);
+        assert!(Control::decode(none[0], &none[5..]).unwrap_err().contains("ahead"));
+        let empty = Control::Ahead { id: 9, first: 0, runs: vec![(1, 2, 0)] }.encode();
+        assert!(Control::decode(empty[0], &empty[5..]).unwrap_err().contains("empty run"));
+        let wraps = Control::Ahead { id: 9, first: u64::MAX, runs: vec![(1, 2, 3)] }.encode();
+        assert!(Control::decode(wraps[0], &wraps[5..]).unwrap_err().contains("overflow"));
+        let mut cut = ahead(2);
+        cut.truncate(cut.len() - 1);
+        assert!(Control::decode(cut[0], &cut[5..]).is_err());
+        // A batch sent ahead names one ticket per payload: one short is an error, one more stray.
+        let batch = Control::Batch { items: vec![(8, vec![1]), (8, vec![2])], moved: Moved::Ahead { tickets: vec![3, 4], corrupt: Some(1) } }.encode();
+        assert!(Control::decode(batch[0], &batch[5..]).is_ok());
+        assert!(Control::decode(batch[0], &batch[5..batch.len() - 8]).unwrap_err().contains("too short"));
+        let mut stray = batch.clone();
+        stray.extend_from_slice(&[0; 8]);
+        assert!(Control::decode(stray[0], &stray[5..]).unwrap_err().contains("stray"));
+        let mut bad = batch.clone();
+        let at = bad.len() - 20;
+        bad[at..at + 4].copy_from_slice(&2u32.to_le_bytes());
+        assert!(Control::decode(bad[0], &bad[5..]).unwrap_err().contains("to corrupt"));
     }
 
     #[test]
