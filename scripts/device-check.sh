@@ -41,8 +41,9 @@
 #   gpus_kv       the nccl test binary's two-GPU tests (.device/tests/nccl-* --ignored), the
 #                 conformance suite for nccl and cuda-ipc with senders on cuda:0 and receivers on
 #                 cuda:1, and tandem bench kv for both across the GPUs (1, 16, 256 MiB) next to a
-#                 bare NCCL send and cudaMemcpyPeer of the same bytes; nccl again staged
-#                 (TANDEM_KV_NCCL_STAGED=1: conformance and bench); cuda-ipc again receiver-driven
+#                 bare NCCL send and cudaMemcpyPeer of the same bytes; nccl again
+#                 in announced batches (TANDEM_KV_NCCL_NO_AHEAD=1) and staged (also
+#                 TANDEM_KV_NCCL_STAGED=1: conformance and bench); cuda-ipc again receiver-driven
 #                 (TANDEM_KV_NO_SENDER_WRITES=1: conformance and bench) and with pulls (also
 #                 TANDEM_KV_NO_PUSH=1), the timeline of one traced 256 MiB transfer of each backend,
 #                 and both backends again with the receivers in a second process (--two-processes)
@@ -338,10 +339,15 @@ stage_gpus_kv() {
     cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
     cmd .device/tandem kv conformance cuda-ipc --device cuda:0,cuda:1 || rc=1
     cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 200 || rc=1
-    # every batch through the staging buffers (gather, one send, scatter), for comparison in the same call
-    echo "---- nccl, staged (TANDEM_KV_NCCL_STAGED=1)"
-    TANDEM_KV_NCCL_STAGED=1 cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
-    TANDEM_KV_NCCL_STAGED=1 cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 50 || rc=1
+    # granted transfers in announced batches too (control protocol v4's direct sends), and every
+    # batch through the staging buffers (gather, one send, scatter): each path of the backend
+    # passes conformance, and is measured for comparison in the same call
+    echo "---- nccl, announced batches (TANDEM_KV_NCCL_NO_AHEAD=1)"
+    TANDEM_KV_NCCL_NO_AHEAD=1 cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
+    TANDEM_KV_NCCL_NO_AHEAD=1 cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 50 || rc=1
+    echo "---- nccl, staged (TANDEM_KV_NCCL_NO_AHEAD=1 TANDEM_KV_NCCL_STAGED=1)"
+    TANDEM_KV_NCCL_NO_AHEAD=1 TANDEM_KV_NCCL_STAGED=1 cmd .device/tandem kv conformance nccl --device cuda:0,cuda:1 || rc=1
+    TANDEM_KV_NCCL_NO_AHEAD=1 TANDEM_KV_NCCL_STAGED=1 cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --latency-iters 50 || rc=1
     echo "---- nccl, TANDEM_KV_TRACE=1, 256 MiB"
     TANDEM_KV_TRACE=1 cmd .device/tandem bench kv --backend nccl --device cuda:0,cuda:1 --sizes 256 --iters 1 --latency-iters 1 \
         > /tmp/gpus_kv_nccl_trace.txt 2>&1 || rc=1
