@@ -54,11 +54,12 @@
 //! Invariants (besides those of every transport):
 //! - Payloads only flow from the side that connected (the sender) to the side that accepted.
 //! - Every posted receive is matched by one send of the same length, on the same lane, in the same
-//!   order: the sender enqueues its sends right after it announced the batch (a sender whose
-//!   gather failed sends its buffer anyway and says so in the announcement; one that cannot
-//!   enqueue, or abandons the batch in between, closes the link), the receiver posts a receive for
-//!   every announced batch, wanted or not, and both ends put the link's `n`th operation on lane
-//!   `n % lanes`; a link whose NCCL operation failed is closed, and its communicators aborted.
+//!   order: the sender enqueues its sends right after it announced the batch or the runs sent ahead
+//!   (a sender whose gather failed sends its buffer anyway and says so in the announcement; one
+//!   that cannot enqueue, or abandons the batch in between, closes the link), the receiver posts a
+//!   receive for every announced batch, wanted or not, and for every run sent ahead (or closes the
+//!   link, when the runs are not the granted transfer's), and both ends put the link's `n`th
+//!   operation on lane `n % lanes`; a link whose NCCL operation failed is closed, and its communicators aborted.
 //! - A receiver's NCCL kernels wait on its peer's host at most for the time the sender takes to
 //!   enqueue a batch it announced (the announcement goes first so that the receive is posted
 //!   while the send is enqueued); a link's operations are ordered on its own streams (a stalled
