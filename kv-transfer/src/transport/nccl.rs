@@ -59,7 +59,8 @@
 //!   that cannot enqueue, or abandons the batch in between, closes the link), the receiver posts a
 //!   receive for every announced batch, wanted or not, and for every run sent ahead (or closes the
 //!   link, when the runs are not the granted transfer's), and both ends put the link's `n`th
-//!   operation on lane `n % lanes`; a link whose NCCL operation failed is closed, and its communicators aborted.
+//!   operation on lane `n % lanes`; a link whose NCCL operation failed is closed, and its
+//!   communicators aborted.
 //! - A receiver's NCCL kernels wait on its peer's host at most for the time the sender takes to
 //!   enqueue a batch it announced (the announcement goes first so that the receive is posted
 //!   while the send is enqueued); a link's operations are ordered on its own streams (a stalled
@@ -70,8 +71,9 @@
 //! - NCCL writes the staging buffers, and destination blocks only through a direct batch's
 //!   receives into the blocks the inbox gave its chunks, or through receives of runs sent ahead
 //!   into blocks the receiver granted that transfer to the link and still holds for it (a batch
-//!   naming a run checks the inbox gave its chunk exactly those blocks, else the link closes); `on_payload` comes after the scatter (or,
-//!   received straight into the blocks, their verification) finished — a failure, after the
+//!   naming a run checks the inbox gave its chunk exactly those blocks, else the link closes);
+//!   `on_payload` comes after the scatter (or, received straight into the blocks, their
+//!   verification) finished — a failure, after the
 //!   link's NCCL stream ran out, since a receive may still be writing the blocks — (after the
 //!   communicator was aborted, if the link closed meanwhile; should the work still not finish
 //!   within `DRAIN`, the chunks are reported failed and the pull slot is never reused), in
