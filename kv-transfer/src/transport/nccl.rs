@@ -233,15 +233,25 @@ fn ahead_chunks(plan: &super::WritePlan<'_>) -> std::result::Result<Option<Vec<C
 /// rounds of two per lane, an event behind each round (the chunks of a round are verified once it
 /// landed, while the next ones move).
 fn ahead_rounds(n: usize, lanes: usize) -> Vec<std::ops::Range<usize>> {
-    let lanes = lanes.max(1);
     let mut rounds = Vec::new();
     let mut at = 0;
     while at < n {
-        let len = if at == 0 { lanes } else { 2 * lanes };
+        let len = ahead_round_len(at, lanes);
         rounds.push(at..(at + len).min(n));
         at += len;
     }
     rounds
+}
+
+/// The length of the round of [`ahead_rounds`] that starts at run `at` (no lanes count as one).
+fn ahead_round_len(at: usize, lanes: usize) -> usize {
+    lanes.max(1) * if at == 0 { 1 } else { 2 }
+}
+
+/// Whether a round of [`ahead_rounds`] ends after the first `k` runs (whatever their number).
+fn ahead_round_ends(k: usize, lanes: usize) -> bool {
+    let first = ahead_round_len(0, lanes);
+    k == first || (k > first && (k - first).is_multiple_of(ahead_round_len(first, lanes)))
 }
 
 /// Writes `buf` on the socket now, without the runtime (a link's `write_ahead` is synchronous):
@@ -1374,8 +1384,7 @@ impl NcclLink {
                 }
                 written.push((header, payload));
                 written_seen += 1;
-                let round_end = written_seen == lanes || (written_seen > lanes && (written_seen - lanes).is_multiple_of(2 * lanes));
-                if round_end || written.len() == wire::MAX_BATCH {
+                if ahead_round_ends(written_seen, lanes) || written.len() == wire::MAX_BATCH {
                     self.send_written(wr, &mut ahead, std::mem::take(&mut written)).await?;
                 }
                 continue;
@@ -1676,9 +1685,9 @@ impl Link for NcclLink {
         self.ahead_next.store(first + n as u64, Ordering::Release);
         super::kv_trace!("nccl ahead of {n} runs: announced");
         // The receiver posts these runs' receives now: the sends must follow, or the link closes.
-        let head = n.min(gpu.lane_count().max(1));
-        // The first run of each lane goes alone (its bytes move after one NCCL call per side), then
-        // the rest.
+        let head = n.min(ahead_round_len(0, gpu.lane_count()));
+        // The receiver's first round (a run per lane) goes alone (its bytes move after one NCCL
+        // call per side), then the rest.
         let (lead, rest) = ops.split_at(head);
         // SAFETY: each range is whole blocks of one layer of this connector's pool (checked above),
         // which the caller holds claimed for the transfer (`Link::write_ahead`) until the messages
@@ -1848,7 +1857,7 @@ impl Reader {
                     g = self.link.ready_gpu() => g?,
                     _ = closed.wait_for(|c| *c != Closed::Open) => return Err("link closed".into()),
                 };
-                self.receive_runs(&gpu, first, runs).await
+                self.receive_runs(&t, &gpu, first, runs).await
             }
             other => Err(format!("unexpected nccl control message {other:?}")),
         }
@@ -1950,8 +1959,7 @@ impl Reader {
     /// those, as a cuda-ipc sender writes granted blocks itself); each is checked to lie in this
     /// pool, and what lands is verified against the sender's checksums once a batch names it.
     /// `Err`: the link must close.
-    async fn receive_runs(&self, gpu: &Arc<LinkGpu>, first: u64, runs: Vec<(u32, u32, u32)>) -> std::result::Result<(), String> {
-        let t = self.transport.upgrade().ok_or("the transport is gone")?;
+    async fn receive_runs(&self, t: &NcclTransport, gpu: &Arc<LinkGpu>, first: u64, runs: Vec<(u32, u32, u32)>) -> std::result::Result<(), String> {
         let memory = &t.memory;
         let bb = memory.geometry().block_bytes() as u64;
         let (layers, blocks) = (memory.geometry().num_layers(), memory.num_blocks());
@@ -2232,6 +2240,10 @@ mod tests {
                 let r = ahead_rounds(n, lanes);
                 assert_eq!(r.iter().map(|x| x.len()).sum::<usize>(), n);
                 assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+                // The sender cuts its batches where the receiver's full rounds end.
+                for k in 1..=n {
+                    assert_eq!(ahead_round_ends(k, lanes), r.iter().any(|x| x.end == k && x.len() == ahead_round_len(x.start, lanes)), "{k} of {n}, {lanes} lanes");
+                }
             }
         }
     }
